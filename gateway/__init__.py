@@ -1,0 +1,1 @@
+"""prefixgate: an OpenAI-compatible gateway for local GGUF models."""

