@@ -205,8 +205,14 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
+            try:
+                seq.sampler = Sampler(seq.request.sampler, self.model.n_vocab,
+                                      penalty_window=self.config.seq_len)
+            except Exception as exc:  # a request llama.cpp rejects must not take others down
+                log.exception("could not set up sampling")
+                self._finish(seq, Output(error=f"could not set up sampling: {exc}"))
+                continue
             seq.slot = self._free_slots.pop()
-            seq.sampler = Sampler(seq.request.sampler, penalty_window=self.config.seq_len)
             seq.text = TextStream(seq.request.stop)
             self._running.append(seq)
 

@@ -1,5 +1,5 @@
 """The only module that talks to llama.cpp: a model (weights, vocabulary, metadata), one context
-with unified KV shared by many sequences, a reusable token batch and per-request sampler chains.
+that decodes many sequences per call, a reusable token batch and per-request sampler chains.
 
 Everything here is a thin, typed layer over llama-cpp-python's low-level ctypes API, because its
 high-level `Llama` class drives a single sequence and cannot batch several requests per decode.
@@ -30,6 +30,9 @@ def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> 
 # A module-level reference keeps the callback alive: llama.cpp crashes if it is garbage-collected.
 lc.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
 lc.llama_backend_init()
+
+
+KV_CACHE_TYPE = lc.GGML_TYPE_Q8_0
 
 
 class ModelLoadError(RuntimeError):
@@ -125,15 +128,21 @@ class Model:
 
 @dataclass(frozen=True)
 class ContextShape:
-    n_ctx: int  # KV cells shared by all sequences
+    n_ctx: int  # KV cells of all sequences together
     n_seq_max: int
     n_batch: int  # tokens per llama_decode call
     n_threads: int
 
 
 class Context:
-    """One llama.cpp context with unified KV: all sequences draw cells from one pool. Used by the
-    engine thread only."""
+    """One llama.cpp context holding `n_seq_max` sequences, each in its own KV stream of
+    n_ctx / n_seq_max cells. Used by the engine thread only.
+
+    Why not unified KV: flash attention accumulates over a sequence's cells in their physical
+    order. A unified pool reuses cells that other sequences freed, so a sequence's cells end up out
+    of position order in a way that depends on its neighbours, and greedy output would change with
+    the load. In its own stream a sequence always fills cells 0, 1, 2, ... in position order, the
+    same layout as a request run alone."""
 
     def __init__(self, model: Model, shape: ContextShape) -> None:
         params = lc.llama_context_default_params()
@@ -143,8 +152,15 @@ class Context:
         params.n_seq_max = shape.n_seq_max
         params.n_threads = shape.n_threads
         params.n_threads_batch = shape.n_threads
-        params.kv_unified = True
+        params.kv_unified = False  # see the class docstring
         params.no_perf = True
+        # Q8_0 KV keeps every flash-attention call on llama.cpp's row-by-row CPU kernel; with F16
+        # KV it switches to tiled or split-KV kernels by batch size, whose numerics differ. Then a
+        # token's KV and logits would depend on what else shares its batch, and neither batched
+        # nor cached generation could equal a request run alone. Q8_0 also halves KV memory.
+        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_k = KV_CACHE_TYPE
+        params.type_v = KV_CACHE_TYPE
         self.model = model
         self.shape = shape
         self.ptr = lc.llama_init_from_model(model.ptr, params)
@@ -223,12 +239,12 @@ class Sampler:
     """A llama.cpp sampler chain for one request. The chain keeps the penalty history, so each
     request owns one."""
 
-    def __init__(self, settings: SamplerSettings, penalty_window: int) -> None:
+    def __init__(self, settings: SamplerSettings, n_vocab: int, penalty_window: int) -> None:
         s = settings
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
             self._add(lc.llama_sampler_init_penalties(
-                penalty_window, s.repetition_penalty, s.frequency_penalty, s.presence_penalty))
+                n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty, s.presence_penalty))
         if s.temperature <= 0.0:
             self._add(lc.llama_sampler_init_greedy())
             return

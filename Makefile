@@ -1,0 +1,29 @@
+# `make serve` and `make test` each set everything up first: a virtual environment in .venv, the
+# package with its dependencies, llama-cpp-python built for this machine, and the default model.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Portable build: a native build (GGML_NATIVE=ON) dies with SIGILL on CPUs that report AMX the
+# virtual machine does not enable. AVX2 is the floor.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF
+
+.PHONY: setup serve test lint
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m gateway.model_store
+	touch $@
+
+serve: setup
+	$(PY) -m gateway $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)

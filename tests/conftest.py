@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway.llama import Model
+from gateway.model_store import default_model_path
+from tests.server import GatewayProcess
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gateway(model_path: Path):
+    """One real gateway on the default model, shared by the HTTP tests."""
+    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model_name(gateway: GatewayProcess) -> str:
+    return gateway.model_name
+
+
+@pytest.fixture(scope="session")
+def local_model(model_path: Path):
+    """The model loaded in the test process, for its tokenizer."""
+    model = Model(str(model_path))
+    yield model
+    model.close()

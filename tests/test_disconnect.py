@@ -1,0 +1,64 @@
+"""Clients that go away free their sequence; the engine keeps nothing and serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+
+
+def _body(model: str, question: str, stream: bool) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": question}],
+            "max_tokens": 1500, "temperature": 0, "stream": stream, "ignore_eos": True}
+
+
+async def _abandon(session: aiohttp.ClientSession, url: str, body: dict, read_chunks: int):
+    async with session.post(url, json=body) as response:
+        assert response.status == 200
+        for _ in range(read_chunks):
+            await response.content.readline()
+        # Leaving the block mid-stream closes the connection.
+
+
+async def _abandon_many(base_url: str, model: str) -> None:
+    url = base_url + "/v1/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # Twice as many as there are sequences: half are dropped while still waiting.
+        await asyncio.gather(*(
+            _abandon(session, url, _body(model, f"Tell story number {i}.", True), i % 6)
+            for i in range(16)))
+    # Non-streaming clients that give up before the answer.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+        for i in range(4):
+            with contextlib.suppress(TimeoutError):
+                await session.post(url, json=_body(model, f"Essay {i}.", False))
+
+
+def test_abandoned_requests_free_their_sequences(gateway, client, model_name):
+    before = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=12, temperature=0).choices[0].message.content
+    for _ in range(2):
+        asyncio.run(_abandon_many(gateway.base_url, model_name))
+        metrics = gateway.wait_idle(timeout=10)
+        assert metrics["prefixgate_num_requests_running"] == 0
+    after = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=12, temperature=0).choices[0].message.content
+    assert after == before
+
+
+def test_stream_events_are_json_until_done(gateway, model_name):
+    async def read_all() -> list[bytes]:
+        async with aiohttp.ClientSession() as session, session.post(
+                gateway.base_url + "/v1/chat/completions",
+                json={**_body(model_name, "Hi", True), "max_tokens": 5}) as response:
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            return [line for line in (await response.read()).split(b"\n\n") if line]
+    events = asyncio.run(read_all())
+    assert events[-1] == b"data: [DONE]"
+    for event in events[:-1]:
+        assert event.startswith(b"data: ") and "choices" in json.loads(event[6:])

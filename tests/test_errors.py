@@ -1,0 +1,100 @@
+"""Every malformed request gets its 4xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def call(gateway, path: str, body: bytes | dict | None, method: str = "POST"):
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+    req = urllib.request.Request(gateway.base_url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def chat(**fields):
+    return {"model": "{model}", "messages": MESSAGES, **fields}
+
+
+CASES = [
+    # (path, body, status, param, code)
+    (CHAT, b"{not json", 400, None, None),
+    (CHAT, b"[1, 2]", 400, None, None),
+    (CHAT, {"model": "{model}"}, 400, "messages", None),
+    (CHAT, {"messages": MESSAGES}, 400, "model", None),
+    (CHAT, chat(messages=[]), 400, "messages", None),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role", None),
+    (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages[0].content", None),
+    (CHAT, chat(temperature=3), 400, "temperature", None),
+    (CHAT, chat(temperature="hot"), 400, "temperature", None),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens", None),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", None),
+    (CHAT, chat(n=2), 400, "n", "unsupported"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "unsupported"),
+    (CHAT, chat(logprobs=True), 400, "logprobs", "unsupported"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported"),
+    (CHAT, chat(frobnicate=1), 400, "frobnicate", None),
+    (CHAT, chat(logit_bias={"not-a-token": 1}), 400, "logit_bias", None),
+    (CHAT, chat(model="no-such-model"), 404, "model", "model_not_found"),
+    (CHAT, chat(messages=[{"role": "user", "content": "word " * 2100}]), 400, "messages",
+     "context_length_exceeded"),
+    (COMPLETIONS, {"model": "{model}"}, 400, "prompt", None),
+    (COMPLETIONS, {"model": "{model}", "prompt": ["a", "b"]}, 400, "prompt", "unsupported"),
+    (COMPLETIONS, {"model": "{model}", "prompt": [10 ** 9]}, 400, "prompt", None),
+    (COMPLETIONS, {"model": "{model}", "prompt": "x", "echo": True}, 400, "echo", "unsupported"),
+    (COMPLETIONS, {"model": "{model}", "prompt": "x", "best_of": 3}, 400, "best_of",
+     "unsupported"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", CASES)
+def test_malformed_request_gets_openai_error(gateway, path, body, status, param, code):
+    if isinstance(body, dict):
+        body = json.loads(json.dumps(body).replace("{model}", gateway.model_name))
+    got_status, payload = call(gateway, path, body)
+    assert got_status == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert error["code"] == code
+
+
+def test_http_level_errors_use_the_same_shape(gateway):
+    status, payload = call(gateway, "/v1/nothing-here", {})
+    assert status == 404 and payload["error"]["message"]
+    status, payload = call(gateway, CHAT, None, method="GET")
+    assert status == 405 and payload["error"]["message"]
+    status, payload = call(gateway, CHAT, b"{" + b" " * (17 << 20) + b"}")
+    assert status == 413 and payload["error"]["message"]
+
+
+def test_sdk_raises_its_error_classes(client, model_name):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=MESSAGES)
+
+
+def test_server_still_serves_after_errors(gateway, client, model_name):
+    for path, body, *_ in CASES:
+        if isinstance(body, bytes):
+            call(gateway, path, body)
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    gateway.wait_idle()

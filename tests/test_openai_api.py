@@ -1,0 +1,134 @@
+"""The official OpenAI client against the real gateway: shapes, streaming, sampling controls."""
+
+from __future__ import annotations
+
+import openai
+
+HELLO = [{"role": "user", "content": "Say hello to the world."}]
+
+
+def test_models_lists_the_served_model(client, model_name):
+    assert [m.id for m in client.models.list()] == [model_name]
+
+
+def test_chat_non_streaming(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=16)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming_with_usage(client, model_name):
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=HELLO, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=12,
+                                           temperature=0)
+    assert text == whole.choices[0].message.content
+
+
+def test_streaming_without_usage_sends_none(client, model_name):
+    chunks = list(client.chat.completions.create(model=model_name, messages=HELLO,
+                                                 max_tokens=4, stream=True))
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices
+
+
+def test_completions_non_streaming_and_streaming(client, model_name):
+    r = client.completions.create(model=model_name, prompt="One, two, three,", max_tokens=8,
+                                  temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 8
+    streamed = list(client.completions.create(model=model_name, prompt="One, two, three,",
+                                              max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_from_token_ids(client, model_name, local_model):
+    prompt = "Hello there, general"
+    ids = local_model.tokenize(prompt, add_special=True, parse_special=True)
+    by_text = client.completions.create(model=model_name, prompt=prompt, max_tokens=5,
+                                        temperature=0)
+    by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=5,
+                                       temperature=0)
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_stop_string_ends_output_before_it(client, model_name):
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8,"
+    free = client.completions.create(model=model_name, prompt=prompt, max_tokens=20,
+                                     temperature=0).choices[0].text
+    assert "12" in free, free  # the model counts on; the stop string below must cut it there
+    for stream in (False, True):
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=20,
+                                      temperature=0, stop=["12"], stream=stream)
+        choices = [c.choices[0] for c in r] if stream else [r.choices[0]]
+        text = "".join(c.text for c in choices)
+        assert text == free[: free.index("12")]
+        assert choices[-1].finish_reason == "stop"
+
+
+def test_stop_string_split_across_tokens(client, model_name):
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8,"
+    free = client.completions.create(model=model_name, prompt=prompt, max_tokens=20,
+                                     temperature=0).choices[0].text
+    stop = free[4:9]  # spans several tokens of the output
+    streamed = client.completions.create(model=model_name, prompt=prompt, max_tokens=20,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == free[: free.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client, model_name):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=model_name, messages=HELLO, max_tokens=24, temperature=1.2, top_p=0.95,
+            seed=seed).choices[0].message.content
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_ignore_eos_and_min_tokens_reach_the_length(client, model_name):
+    for extra in ({"ignore_eos": True}, {"min_tokens": 40}):
+        r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=40,
+                                           temperature=0, extra_body=extra)
+        assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+
+
+def test_penalties_and_logit_bias_change_output(client, model_name, local_model):
+    base = dict(model=model_name, messages=[{"role": "user", "content": "Repeat: la la la"}],
+                max_tokens=20, temperature=0)
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    penalised = client.chat.completions.create(**base, frequency_penalty=2.0,
+                                               presence_penalty=2.0).choices[0].message.content
+    assert penalised != plain
+    first_token = client.completions.create(model=model_name, prompt="The", max_tokens=1,
+                                            temperature=0).choices[0].text
+    banned = client.completions.create(model=model_name, prompt="The", max_tokens=1,
+                                       temperature=0, logit_bias={
+        str(t): -100 for t in local_model.tokenize(first_token, add_special=False,
+                                                   parse_special=False)})
+    assert banned.choices[0].text != first_token
+
+
+def test_context_limit_ends_with_length(client, model_name, gateway):
+    r = client.completions.create(model=model_name, prompt="a " * 2000, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 2048
+
+
+def test_prompt_longer_than_context_is_rejected(client, model_name):
+    try:
+        client.completions.create(model=model_name, prompt="a " * 3000, max_tokens=4)
+    except openai.BadRequestError as exc:
+        assert exc.code == "context_length_exceeded"
+    else:
+        raise AssertionError("accepted a prompt longer than the context")
