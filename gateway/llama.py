@@ -244,7 +244,8 @@ class Sampler:
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
             self._add(lc.llama_sampler_init_penalties(
-                n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty, s.presence_penalty))
+                n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty,
+                s.presence_penalty))
         if s.temperature <= 0.0:
             self._add(lc.llama_sampler_init_greedy())
             return
