@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from gateway.engine import EngineConfig
+from gateway.prefix_cache import CacheConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,11 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt from scratch (the baseline for benchmarks)")
+    p.add_argument("--cache-mb", type=int, default=CacheConfig.budget_mb,
+                   help="shared-memory budget of the prefix cache's KV blocks")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help="tokens per cached KV block")
     p.add_argument("--log-level", default="info")
     for action in p._actions:
         env_value = os.environ.get(f"PREFIXGATE_{action.dest.upper()}")
         if env_value is not None and action.dest != "help":
-            action.default = action.type(env_value) if action.type else env_value
+            if isinstance(action, argparse._StoreTrueAction):
+                action.default = env_value.lower() in ("1", "true", "yes")
+            else:
+                action.default = action.type(env_value) if action.type else env_value
     return p
 
 
@@ -47,7 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         model_path=str(model_path),
         model_name=args.model_name or model_path.stem,
         engine=EngineConfig(parallel=args.parallel, seq_len=args.ctx_size,
-                            batch_tokens=args.batch_tokens, threads=args.threads),
+                            batch_tokens=args.batch_tokens, threads=args.threads,
+                            cache=CacheConfig(enabled=not args.no_prefix_cache,
+                                              budget_mb=args.cache_mb,
+                                              block_size=args.block_size)),
         host=args.host,
         port=args.port,
     )

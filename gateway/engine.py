@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cache.radix_tree import Match
 from gateway.llama import Batch, Context, ContextShape, DecodeError, Model, Sampler, SamplerSettings
+from gateway.prefix_cache import CacheConfig, PrefixCache
 from gateway.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class EngineConfig:
     seq_len: int = 4096  # KV cells one sequence may hold: prompt + completion
     batch_tokens: int = 256  # tokens per llama_decode call: decodes first, prefill chunks after
     threads: int = 2
+    cache: CacheConfig = CacheConfig()
 
 
 @dataclass(frozen=True)
@@ -98,14 +101,19 @@ class _Sequence:
     handle: GenerationHandle
     slot: int = -1
     n_past: int = 0  # tokens already in the KV cache
-    next_token: int = -1  # sampled, not yet decoded
-    generated: int = 0
+    cached: int = 0  # prompt tokens loaded from the prefix cache instead of computed
+    generated: list[int] = field(default_factory=list)  # the last one is not decoded yet
     sampler: Sampler | None = None
     text: TextStream | None = None
+    holds: list[Match] = field(default_factory=list)  # cached blocks this sequence keeps alive
 
     @property
     def prefilling(self) -> bool:
         return self.n_past < len(self.request.prompt_tokens)
+
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV the sequence holds."""
+        return (self.request.prompt_tokens + self.generated)[: self.n_past]
 
 
 class Engine:
@@ -122,6 +130,7 @@ class Engine:
             n_threads=config.threads,
         ))
         self._batch = Batch(config.batch_tokens)
+        self.cache = PrefixCache.for_context(model, self.ctx, config.cache)
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -146,6 +155,8 @@ class Engine:
         self._stopping = True
         self.wake()
         self._thread.join(timeout=30)
+        if self.cache:
+            self.cache.close()
         self._batch.close()
         self.ctx.close()
 
@@ -203,8 +214,12 @@ class Engine:
         self._waiting = deque(s for s in self._waiting if not s.handle.cancelled)
 
     def _admit(self) -> None:
+        deferred = deque()
         while self._waiting and self._free_slots:
             seq = self._waiting.popleft()
+            if self._prefix_in_flight(seq):
+                deferred.append(seq)
+                continue
             try:
                 seq.sampler = Sampler(seq.request.sampler, self.model.n_vocab,
                                       penalty_window=self.config.seq_len)
@@ -215,6 +230,23 @@ class Engine:
             seq.slot = self._free_slots.pop()
             seq.text = TextStream(seq.request.stop)
             self._running.append(seq)
+            if self.cache:
+                match = self.cache.load(seq.request.prompt_tokens, seq.slot)
+                seq.holds.append(match)
+                seq.n_past = seq.cached = match.n_tokens
+        self._waiting.extendleft(reversed(deferred))
+
+    def _prefix_in_flight(self, seq: _Sequence) -> bool:
+        """True while a running request is still computing at least a block more of this
+        request's prompt than the cache holds: waiting for it beats computing it twice."""
+        if not self.cache:
+            return False
+        prompt = seq.request.prompt_tokens
+        shared = max((_common_prefix(prompt, other.request.prompt_tokens)
+                      for other in self._running if other.prefilling), default=0)
+        if shared < self.cache.pool.block_size:
+            return False
+        return shared - self.cache.cached_length(prompt[:shared]) >= self.cache.pool.block_size
 
     def _fill_batch(self) -> list[tuple[_Sequence, int]]:
         """Decode tokens first (one per generating sequence), then prompt chunks in arrival order
@@ -224,7 +256,7 @@ class Engine:
         sampled = []
         for seq in self._running:
             if not seq.prefilling:
-                sampled.append((seq, batch.add([seq.next_token], seq.n_past, seq.slot, True)))
+                sampled.append((seq, batch.add(seq.generated[-1:], seq.n_past, seq.slot, True)))
                 seq.n_past += 1
         for seq in self._running:
             budget = batch.capacity - len(batch)
@@ -242,31 +274,35 @@ class Engine:
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
         request = seq.request
-        if request.ignore_eos or seq.generated < request.min_tokens or request.logit_bias:
+        suppress_eog = request.ignore_eos or len(seq.generated) < request.min_tokens
+        if suppress_eog or request.logit_bias:
             logits = self.ctx.logits(batch_index)
             if request.logit_bias:
                 ids = np.fromiter(request.logit_bias.keys(), dtype=np.int64)
                 logits[ids] += np.fromiter(request.logit_bias.values(), dtype=np.float32)
-            if request.ignore_eos or seq.generated < request.min_tokens:
+            if suppress_eog:
                 logits[self.model.eog_tokens] = -np.inf
         token = seq.sampler.sample(self.ctx, batch_index)
+        if self.cache and not seq.generated:  # prompt done: let others reuse it right away
+            seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
         if self.model.is_eog(token):
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
             return
-        seq.generated += 1
+        seq.generated.append(token)
         text = seq.text.push(self.model.token_piece(token))
         if seq.text.stopped:
             self._finish(seq, Output(text=text, finish_reason="stop"))
-        elif seq.generated >= request.max_tokens:
+        elif len(seq.generated) >= request.max_tokens:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
-        else:
-            seq.next_token = token
-            if text:
-                seq.handle.deliver(Output(text=text))
+        elif text:
+            seq.handle.deliver(Output(text=text))
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
+        if self.cache and output.error is None and seq in self._running:
+            # Prompt and answer, so that the next turn of a chat finds its history cached.
+            seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
-                      completion_tokens=seq.generated)
+                      completion_tokens=len(seq.generated), cached_tokens=seq.cached)
         seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error))
         self._release(seq)
 
@@ -278,3 +314,14 @@ class Engine:
             seq.sampler.close()
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        for match in seq.holds:
+            self.cache.release(match)
+        seq.holds.clear()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

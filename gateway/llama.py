@@ -182,6 +182,19 @@ class Context:
         """Drop a sequence's hold on its cells from position `start` on."""
         lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
 
+    def sequence_state(self, seq_id: int) -> bytes:
+        """The serialised KV cells of one sequence (see cache/kv_codec.py for the layout)."""
+        size = lc.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self.ptr, buf, size, seq_id)
+        return memoryview(buf)[:written]
+
+    def load_sequence_state(self, seq_id: int, blob: bytes) -> None:
+        """Replace a sequence's cells with serialised ones."""
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if lc.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id) != len(blob):
+            raise DecodeError(f"llama.cpp refused {len(blob)} bytes of KV for sequence {seq_id}")
+
     def close(self) -> None:
         if self.ptr:
             lc.llama_free(self.ptr)

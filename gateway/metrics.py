@@ -13,6 +13,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gateway.engine import Output
 
@@ -46,6 +48,7 @@ class Metrics:
                                          "Completion tokens generated", registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        r.register(_PrefixCacheCollector(gateway))
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -75,3 +78,38 @@ class RequestTimer:
             m.prompt_tokens.inc(output.usage.prompt_tokens)
             m.generation_tokens.inc(output.usage.completion_tokens)
             m.requests.labels(output.finish_reason or "error").inc()
+
+
+class _PrefixCacheCollector(Collector):
+    """Reads the engine's cache counters at scrape time; they live on the engine thread."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    def collect(self):
+        engine = self._gateway.engine
+        cache = engine.cache if engine else None
+        if cache is None:
+            return
+        stats, pool = cache.stats, cache.pool
+        yield CounterMetricFamily("prefixgate_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache",
+                                  value=stats.queried_tokens)
+        yield CounterMetricFamily("prefixgate_prefix_cache_hits",
+                                  "Prompt tokens loaded from the prefix cache",
+                                  value=stats.hit_tokens)
+        yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
+                                  "KV blocks evicted to make room", value=cache.tree.evictions)
+        yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
+                                  "Requests whose blocks did not fit: every block was in use",
+                                  value=stats.uncached_requests)
+        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
+                                value=pool.n_used)
+        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",
+                                value=pool.n_free)
+        yield GaugeMetricFamily("prefixgate_kv_pool_bytes_used", "Bytes of KV blocks in use",
+                                value=pool.n_used * pool.slot_bytes)
+        yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
+                                value=pool.capacity_bytes)
+        yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
+                                "Fraction of pool blocks in use", value=pool.n_used / pool.n_slots)

@@ -1,0 +1,192 @@
+"""A radix tree over token ids whose nodes are KV blocks in a BlockPool.
+
+Each node holds the tokens of one block: up to `block_size` consecutive positions, starting at a
+multiple of the block size. Matching is token-granular: a match may end inside a node, and the
+matching part of that block is reused. A partial tail block and its longer versions are siblings;
+extending a block never writes it, it stores a copy (copy-on-write).
+
+Invariants (checked by the property tests):
+- Every node's slot is referenced once by the tree, plus once per holder of a Match or insert
+  path that contains it. A slot with a reference other than the tree's is never evicted or written.
+- A node's key is xxh3-128(parent key + its tokens), the root's key comes from the namespace salt,
+  so equal keys mean equal prefixes; stored tokens are still compared on every hit, so a hash
+  collision can never serve another prompt's KV. No two nodes share a key.
+- Eviction takes the least recently used leaf that only the tree references; its parent may become
+  such a leaf in turn. Touching a path moves the leaf first, so ancestors stay more recent than
+  their descendants and the LRU order meets leaves first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from cache.block_pool import BlockPool
+
+BlockWriter = Callable[[np.ndarray, int, int], None]  # (block, start, end) token indices
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: np.ndarray
+    key: bytes
+    slot: int
+    parent: Node | None
+    children: dict[int, list[Node]] = field(default_factory=dict)  # by first token
+
+
+@dataclass
+class Match:
+    """A matched prefix, holding a reference on each of its blocks until released."""
+
+    nodes: list[Node]
+    n_tokens: int
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(slot, tokens used) per block; only the last block may be used partly."""
+        used = [len(n.tokens) for n in self.nodes]
+        if used:
+            used[-1] = self.n_tokens - sum(used[:-1])
+        return [(n.slot, u) for n, u in zip(self.nodes, used, strict=True)]
+
+
+class RadixTree:
+    def __init__(self, pool: BlockPool, salt: bytes = b"") -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.root = Node(np.empty(0, np.int32), xxhash.xxh3_128(b"prefixgate\0" + salt).digest(),
+                         -1, None)
+        self._index: dict[bytes, Node] = {}
+        self._lru: OrderedDict[Node, None] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def nodes(self) -> list[Node]:
+        return list(self._index.values())
+
+    def match(self, tokens: np.ndarray) -> Match:
+        """The longest cached prefix of `tokens`, retained for the caller."""
+        node, path, n = self.root, [], 0
+        while n < len(tokens):
+            chunk = tokens[n: n + self.block_size]
+            child = self._child(node, chunk)
+            if child is None:
+                child, used = self._longest_common(node, chunk)
+                if used:
+                    path.append(child)
+                    n += used
+                break
+            path.append(child)
+            n += len(chunk)
+            node = child
+        self._hold(path)
+        return Match(path, n)
+
+    def insert(self, tokens: np.ndarray, write: BlockWriter) -> tuple[Match, bool]:
+        """Store every block of `tokens` the tree lacks, `write` filling each new block. Returns
+        the path, retained for the caller, and whether all of it fitted in the pool."""
+        node, path, complete = self.root, [], True
+        for start in range(0, len(tokens), self.block_size):
+            chunk = tokens[start: start + self.block_size]
+            child = self._child(node, chunk)
+            if child is None:
+                child = self._new_node(node, chunk, start, write)
+                if child is None:
+                    complete = False
+                    break
+            else:
+                self.pool.retain(child.slot)
+            path.append(child)  # retained as we go, so making room never evicts the path
+            node = child
+        self._touch(path)
+        return Match(path, sum(len(n.tokens) for n in path)), complete
+
+    def release(self, match: Match) -> None:
+        for node in match.nodes:
+            self.pool.release(node.slot)
+        match.nodes = []
+
+    def _new_node(self, parent: Node, chunk: np.ndarray, start: int,
+                  write: BlockWriter) -> Node | None:
+        key = self._key(parent, chunk)
+        if key in self._index:  # a hash collision: never let it alias another prefix
+            return None
+        slot = self._allocate()
+        if slot is None:
+            return None
+        write(self.pool.block(slot), start, start + len(chunk))
+        node = Node(chunk.copy(), key, slot, parent)
+        self.pool.retain(slot)  # one reference for the tree, one for the inserting caller
+        parent.children.setdefault(int(chunk[0]), []).append(node)
+        self._index[key] = node
+        self._lru[node] = None
+        self._drop_superseded(parent, node)
+        return node
+
+    def _drop_superseded(self, parent: Node, node: Node) -> None:
+        """A shorter sibling whose tokens all begin `node` is redundant once nobody holds it."""
+        for sibling in list(parent.children[int(node.tokens[0])]):
+            n = len(sibling.tokens)
+            if (n < len(node.tokens) and self._evictable(sibling)
+                    and np.array_equal(sibling.tokens, node.tokens[:n])):
+                self._remove(sibling)
+
+    def _allocate(self) -> int | None:
+        slot = self.pool.allocate()
+        while slot is None and self._evict_one():
+            slot = self.pool.allocate()
+        return slot
+
+    def _evict_one(self) -> bool:
+        for node in self._lru:
+            if self._evictable(node):
+                self._remove(node)
+                self.evictions += 1
+                return True
+        return False
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.children and self.pool.refcounts[node.slot] == 1
+
+    def _remove(self, node: Node) -> None:
+        siblings = node.parent.children[int(node.tokens[0])]
+        siblings.remove(node)
+        if not siblings:
+            del node.parent.children[int(node.tokens[0])]
+        del self._index[node.key]
+        del self._lru[node]
+        self.pool.release(node.slot)
+
+    def _child(self, parent: Node, chunk: np.ndarray) -> Node | None:
+        node = self._index.get(self._key(parent, chunk))
+        if node is not None and node.parent is parent and np.array_equal(node.tokens, chunk):
+            return node
+        return None
+
+    def _longest_common(self, parent: Node, chunk: np.ndarray) -> tuple[Node | None, int]:
+        best, best_len = None, 0
+        for child in parent.children.get(int(chunk[0]), []):
+            n = min(len(child.tokens), len(chunk))
+            differs = np.flatnonzero(child.tokens[:n] != chunk[:n])
+            common = int(differs[0]) if len(differs) else n
+            if common > best_len:
+                best, best_len = child, common
+        return best, best_len
+
+    def _key(self, parent: Node, chunk: np.ndarray) -> bytes:
+        return xxhash.xxh3_128(parent.key + chunk.astype(np.int32).tobytes()).digest()
+
+    def _hold(self, path: list[Node]) -> None:
+        for node in path:
+            self.pool.retain(node.slot)
+        self._touch(path)
+
+    def _touch(self, path: list[Node]) -> None:
+        for node in reversed(path):
+            self._lru.move_to_end(node)
