@@ -8,6 +8,7 @@ the slot count is fixed when it is created.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -104,8 +105,9 @@ class BlockPool:
         return self._slots[slot]
 
     def close(self, unlink: bool = True) -> None:
-        # The numpy views keep the buffer exported; drop them before closing the map.
-        del self.refcounts, self._slots
-        self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+        del self.refcounts, self._slots
+        # Block views still held elsewhere keep the mapping alive until they are collected.
+        with contextlib.suppress(BufferError):
+            self._map.close()

@@ -303,8 +303,8 @@ class Engine:
             seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=len(seq.generated), cached_tokens=seq.cached)
+        self._release(seq)  # before the client hears the end, so nothing of it is left then
         seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error))
-        self._release(seq)
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:

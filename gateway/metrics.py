@@ -111,5 +111,8 @@ class _PrefixCacheCollector(Collector):
                                 value=pool.n_used * pool.slot_bytes)
         yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
                                 value=pool.capacity_bytes)
+        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_held",
+                                "Pool blocks referenced by running requests, not only the tree",
+                                value=int((pool.refcounts > 1).sum()))
         yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
                                 "Fraction of pool blocks in use", value=pool.n_used / pool.n_slots)

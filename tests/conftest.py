@@ -24,6 +24,21 @@ def gateway(model_path: Path):
 
 
 @pytest.fixture(scope="session")
+def uncached_gateway(model_path: Path):
+    """The same gateway with the prefix cache off: the reference for exactness."""
+    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "2048",
+                            "--no-prefix-cache")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def uncached_client(uncached_gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=uncached_gateway.base_url + "/v1", api_key="unused",
+                         max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def client(gateway: GatewayProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
 

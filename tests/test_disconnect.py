@@ -37,12 +37,16 @@ async def _abandon_many(base_url: str, model: str) -> None:
                 await session.post(url, json=_body(model, f"Essay {i}.", False))
 
 
+def abandon_many(base_url: str, model: str) -> None:
+    asyncio.run(_abandon_many(base_url, model))
+
+
 def test_abandoned_requests_free_their_sequences(gateway, client, model_name):
     before = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Name a colour."}],
         max_tokens=12, temperature=0).choices[0].message.content
     for _ in range(2):
-        asyncio.run(_abandon_many(gateway.base_url, model_name))
+        abandon_many(gateway.base_url, model_name)
         metrics = gateway.wait_idle(timeout=10)
         assert metrics["prefixgate_num_requests_running"] == 0
     after = client.chat.completions.create(

@@ -1,0 +1,122 @@
+"""The prefix cache through the real server: cached output equals uncached output token for token,
+and `cached_tokens` says how much of each prompt was loaded instead of computed."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.server import GatewayProcess
+from tests.test_disconnect import abandon_many
+
+SYSTEM = ("You are the assistant of a small bookshop. The shop opens at nine and closes at six, "
+          "sells new and second-hand books, runs a reading club on Thursdays and ships parcels "
+          "within the country. Answer briefly and politely. ") * 3
+
+
+def ask(client, model, messages, max_tokens=24):
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                       temperature=0)
+    return r.choices[0].message.content, r.usage
+
+
+def system_chat(question, system=SYSTEM):
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def test_repeated_and_shared_prompts_match_uncached(client, uncached_client, model_name):
+    first = system_chat("When do you open?")
+    text, usage = ask(client, model_name, first)
+    assert usage.prompt_tokens_details.cached_tokens == 0  # cold
+    again, usage = ask(client, model_name, first)
+    assert again == text
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    for question in ["Do you sell used books?", "What happens on Thursdays?"]:
+        warm, usage = ask(client, model_name, system_chat(question))
+        cold, _ = ask(uncached_client, model_name, system_chat(question))
+        assert warm == cold
+        # The system prompt is shared; the question is not.
+        assert usage.prompt_tokens - 20 < usage.prompt_tokens_details.cached_tokens \
+            < usage.prompt_tokens - 1
+
+
+def test_unshared_prompt_is_computed_and_exact(client, uncached_client, model_name):
+    messages = system_chat("Describe a lighthouse in a storm.", "Zebras quietly juggle.")
+    warm, usage = ask(client, model_name, messages)
+    assert usage.prompt_tokens_details.cached_tokens < 8  # the chat template's opening only
+    assert warm == ask(uncached_client, model_name, messages)[0]
+
+
+def test_multi_turn_chat_hits_its_history_and_stays_exact(client, uncached_client, model_name):
+    history = [{"role": "system", "content": SYSTEM}]
+    previous_prompt = 0
+    for turn, question in enumerate(["Hello!", "Can you ship a book to Lyon?",
+                                     "How much would it cost?", "Thank you."]):
+        history.append({"role": "user", "content": question})
+        warm, usage = ask(client, model_name, history, max_tokens=32)
+        cold, cold_usage = ask(uncached_client, model_name, history, max_tokens=32)
+        assert warm == cold, f"turn {turn}"
+        assert cold_usage.prompt_tokens_details.cached_tokens == 0
+        # The previous prompt and the answer to it are reused.
+        assert usage.prompt_tokens_details.cached_tokens >= previous_prompt
+        previous_prompt = usage.prompt_tokens
+        history.append({"role": "assistant", "content": warm})
+
+
+def test_concurrent_requests_share_a_new_prefix_exactly(client, uncached_client, model_name,
+                                                        gateway):
+    system = "You are a weather bot for the city of Tampere. " * 12
+    questions = [f"What is the forecast for day {i}?" for i in range(8)]
+
+    def run(c, q):
+        return ask(c, model_name, system_chat(q, system))
+
+    with ThreadPoolExecutor(8) as pool:
+        warm = list(pool.map(lambda q: run(client, q), questions))
+        cold = list(pool.map(lambda q: run(uncached_client, q), questions))
+    assert [w[0] for w in warm] == [c[0] for c in cold]
+    # Arrivals during the first prefill wait for its blocks instead of computing them again.
+    assert sum(w[1].prompt_tokens_details.cached_tokens > 100 for w in warm) >= 6
+    assert gateway.wait_idle()["prefixgate_kv_pool_blocks_held"] == 0
+
+
+@pytest.fixture(scope="module")
+def small_pool_gateway(model_path):
+    # 6 MiB holds 8 blocks of 64 tokens: not even three of the prompts below.
+    server = GatewayProcess(model_path, "--parallel", "4", "--ctx-size", "1024",
+                            "--cache-mb", "6")
+    yield server
+    server.stop()
+
+
+def test_eviction_under_a_small_pool(small_pool_gateway, uncached_client, model_name):
+    client = openai.OpenAI(base_url=small_pool_gateway.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    # Distinct first words, so that no prompt reuses (and so refreshes) another's blocks.
+    prompts = [f"{topic} matter to people for many reasons. " * 12 for topic in
+               ["Apples", "Bridges", "Clouds", "Dragons", "Engines", "Forests"]]
+
+    def complete(c, prompt):
+        r = c.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0)
+        return r.choices[0].text, r.usage
+
+    for prompt in prompts:
+        assert complete(client, prompt)[0] == complete(uncached_client, prompt)[0]
+    metrics = small_pool_gateway.wait_idle()
+    assert metrics["prefixgate_prefix_cache_evictions_total"] > 0
+    assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 6 << 20
+    assert metrics["prefixgate_kv_pool_blocks_used"] <= 8
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+    # The most recently used prefix survives; the oldest was evicted.
+    usage = complete(client, prompts[-1])[1]
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    assert complete(client, prompts[0])[1].prompt_tokens_details.cached_tokens == 0
+
+
+def test_abandoned_requests_return_the_pool_to_idle(gateway: GatewayProcess):
+    abandon_many(gateway.base_url, gateway.model_name)
+    metrics = gateway.wait_idle(timeout=10)
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+    assert metrics["prefixgate_kv_pool_blocks_used"] > 0  # what they computed stays cached

@@ -1,0 +1,142 @@
+"""Property-based tests of the radix tree and block pool under random operation sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cache.block_pool import HEADER_BYTES, BlockPool
+from cache.radix_tree import Match, RadixTree
+
+BLOCK = 4
+SLOTS = 12
+token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6 * BLOCK)
+
+
+def write_tokens(tokens: np.ndarray):
+    def write(block: np.ndarray, start: int, end: int) -> None:
+        block[:] = 0
+        block[: (end - start) * 4] = np.frombuffer(tokens[start:end].tobytes(), np.uint8)
+    return write
+
+
+def block_content(node) -> bytes:
+    return node.tokens.astype(np.int32).tobytes().ljust(BLOCK * 4, b"\0")
+
+
+class TreeAndPool(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(f"prop-{id(self)}", BLOCK * 4,
+                              HEADER_BYTES + SLOTS * (BLOCK * 4 + 4), "fp", BLOCK)
+        self.tree = RadixTree(self.pool, salt=b"tenant")
+        self.held: list[tuple[Match, list[bytes]]] = []
+
+    def teardown(self) -> None:
+        self.pool.close()
+
+    def _hold(self, match: Match) -> None:
+        self.held.append((match, [bytes(self.pool.block(n.slot)) for n in match.nodes]))
+
+    @rule(tokens=token_lists)
+    def insert(self, tokens):
+        arr = np.array(tokens, np.int32)
+        used_before = self.pool.n_used
+        match, complete = self.tree.insert(arr, write_tokens(arr))
+        stored = np.concatenate([n.tokens for n in match.nodes]) if match.nodes else arr[:0]
+        assert np.array_equal(stored, arr[: len(stored)])
+        if not complete:  # only when everything left was in use
+            assert self.pool.n_free == 0 or used_before == self.pool.n_slots
+        self._hold(match)
+
+    @rule(tokens=token_lists)
+    def match(self, tokens):
+        arr = np.array(tokens, np.int32)
+        m = self.tree.match(arr)
+        got = [self.pool.block(slot)[: n * 4].view(np.int32) for slot, n in m.blocks()]
+        assert np.array_equal(np.concatenate(got) if got else arr[:0], arr[: m.n_tokens])
+        self._hold(m)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data):
+        match, _ = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.tree.release(match)
+
+    @invariant()
+    def counts_match_owners(self):
+        nodes = self.tree.nodes()
+        expected = np.zeros(self.pool.n_slots, np.int64)
+        for node in nodes:
+            expected[node.slot] += 1
+        for match, _ in self.held:
+            for node in match.nodes:
+                expected[node.slot] += 1
+        assert (self.pool.refcounts >= 0).all()
+        assert np.array_equal(self.pool.refcounts, expected)
+        assert self.pool.n_used <= self.pool.n_slots
+        assert self.pool.n_used == int((expected > 0).sum())
+
+    @invariant()
+    def held_blocks_are_never_evicted_or_written(self):
+        in_tree = {id(n) for n in self.tree.nodes()}
+        for match, contents in self.held:
+            for node, content in zip(match.nodes, contents, strict=True):
+                assert id(node) in in_tree
+                assert bytes(self.pool.block(node.slot)) == content == block_content(node)
+
+    @invariant()
+    def keys_are_unique_and_chained(self):
+        nodes = self.tree.nodes()
+        assert len({n.key for n in nodes}) == len(nodes)
+        assert len({n.slot for n in nodes}) == len(nodes)
+        for node in nodes:
+            assert self.tree._key(node.parent, node.tokens) == node.key
+            assert node in node.parent.children[int(node.tokens[0])]
+
+    @invariant()
+    def idle_blocks_belong_to_the_tree_exactly_once(self):
+        if not self.held:
+            used = self.pool.refcounts[self.pool.refcounts > 0]
+            assert (used == 1).all() and len(used) == len(self.tree)
+
+
+TreeAndPool.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                         deadline=None)
+test_tree_and_pool = TreeAndPool.TestCase
+
+
+def test_lru_leaf_is_evicted_first_and_recent_prefixes_survive():
+    pool = BlockPool("lru", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
+    tree = RadixTree(pool)
+    try:
+        prompts = [np.array([p] * BLOCK * 2, np.int32) for p in range(3)]
+        for arr in prompts[:2]:
+            match, complete = tree.insert(arr, write_tokens(arr))
+            tree.release(match)
+            assert complete
+        tree.release(tree.match(prompts[0]))  # prompt 0 is now more recent than prompt 1
+        match, complete = tree.insert(prompts[2], write_tokens(prompts[2]))
+        tree.release(match)
+        assert complete and tree.evictions == 2
+        assert tree.match(prompts[0]).n_tokens == 8  # survived
+        assert tree.match(prompts[1]).n_tokens == 0  # evicted, leaf first, then its parent
+    finally:
+        pool.close()
+
+
+def test_everything_held_means_uncached_not_evicted():
+    pool = BlockPool("full", BLOCK * 4, HEADER_BYTES + 2 * (BLOCK * 4 + 4), "fp", BLOCK)
+    tree = RadixTree(pool)
+    try:
+        a = np.arange(8, dtype=np.int32)
+        held, complete = tree.insert(a, write_tokens(a))
+        assert complete
+        b = np.arange(8, 16, dtype=np.int32)
+        partial, complete = tree.insert(b, write_tokens(b))
+        assert not complete and partial.nodes == [] and tree.evictions == 0
+        assert tree.match(a).n_tokens == 8
+    finally:
+        pool.close()
