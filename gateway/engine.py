@@ -299,7 +299,10 @@ class Engine:
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
         if self.cache and output.error is None and seq in self._running:
-            # Prompt and answer, so that the next turn of a chat finds its history cached.
+            # Prompt and answer, so that the next turn of a chat finds its history cached. The
+            # holds go first so that the partial tail block stored after prefill, now superseded
+            # by a longer copy, can be dropped.
+            self._drop_holds(seq)
             seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=len(seq.generated), cached_tokens=seq.cached)
@@ -314,6 +317,9 @@ class Engine:
             seq.sampler.close()
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        self._drop_holds(seq)
+
+    def _drop_holds(self, seq: _Sequence) -> None:
         for match in seq.holds:
             self.cache.release(match)
         seq.holds.clear()

@@ -98,11 +98,18 @@ class _PrefixCacheCollector(Collector):
         yield CounterMetricFamily("prefixgate_prefix_cache_hits",
                                   "Prompt tokens loaded from the prefix cache",
                                   value=stats.hit_tokens)
+        yield CounterMetricFamily("prefixgate_prefix_cache_loads",
+                                  "Requests that loaded cached blocks", value=stats.loads)
+        yield CounterMetricFamily("prefixgate_prefix_cache_load_seconds",
+                                  "Time spent loading cached blocks into sequences",
+                                  value=stats.load_seconds)
         yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
                                   "KV blocks evicted to make room", value=cache.tree.evictions)
         yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
                                   "Requests whose blocks did not fit: every block was in use",
                                   value=stats.uncached_requests)
+        yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
+                                value=pool.block_size)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
                                 value=pool.n_used)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # prompt tokens loaded instead of computed
     uncached_requests: int = 0  # requests whose blocks did not fit: everything was in use
+    loads: int = 0
+    load_seconds: float = 0.0  # assembling and loading matched blocks into sequences
 
 
 class PrefixCache:
@@ -68,8 +71,11 @@ class PrefixCache:
         match = self.tree.match(tokens)
         self.stats.queried_tokens += len(prompt)
         if match.n_tokens:
+            start = time.perf_counter()
             blocks = [(self.pool.block(slot), n) for slot, n in match.blocks()]
             self.ctx.load_sequence_state(seq_id, assemble_sequence(self.layout, blocks, seq_id))
+            self.stats.loads += 1
+            self.stats.load_seconds += time.perf_counter() - start
             self.stats.hit_tokens += match.n_tokens
         return match
 

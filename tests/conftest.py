@@ -7,7 +7,7 @@ import pytest
 
 from gateway.llama import Model
 from gateway.model_store import default_model_path
-from tests.server import GatewayProcess
+from loadtest.gateway_process import GatewayProcess
 
 
 @pytest.fixture(scope="session")

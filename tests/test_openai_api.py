@@ -18,7 +18,7 @@ def test_chat_non_streaming(client, model_name):
     assert r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
 def test_chat_streaming_with_usage(client, model_name):

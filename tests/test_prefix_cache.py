@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.server import GatewayProcess
+from loadtest.gateway_process import GatewayProcess
 from tests.test_disconnect import abandon_many
 
 SYSTEM = ("You are the assistant of a small bookshop. The shop opens at nine and closes at six, "
@@ -29,7 +29,7 @@ def system_chat(question, system=SYSTEM):
 def test_repeated_and_shared_prompts_match_uncached(client, uncached_client, model_name):
     first = system_chat("When do you open?")
     text, usage = ask(client, model_name, first)
-    assert usage.prompt_tokens_details.cached_tokens == 0  # cold
+    assert usage.prompt_tokens_details.cached_tokens < 8  # cold: the chat template's opening
     again, usage = ask(client, model_name, first)
     assert again == text
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
