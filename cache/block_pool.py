@@ -31,6 +31,7 @@ class BlockPool:
         if n_slots < 1:
             raise ValueError(f"a budget of {budget_bytes} bytes holds no {slot_bytes}-byte block")
         self.path = SHM_DIR / f"prefixgate-{name}"
+        remove_orphans()
         header = {"name": name, "fingerprint": fingerprint, "slot_bytes": slot_bytes,
                   "n_slots": n_slots, "block_size": block_size}
         size = HEADER_BYTES + n_slots * 4 + n_slots * slot_bytes
@@ -111,3 +112,11 @@ class BlockPool:
         # Block views still held elsewhere keep the mapping alive until they are collected.
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def remove_orphans() -> None:
+    """Unlink arenas named after a process id that no longer runs (a crashed gateway's)."""
+    for path in SHM_DIR.glob("prefixgate-*"):
+        pid = path.name.removeprefix("prefixgate-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)

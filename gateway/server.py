@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -220,9 +221,13 @@ async def serve(config: ServerConfig) -> None:
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("listening on http://%s:%d", config.host, config.port)
-    loading = asyncio.get_running_loop().run_in_executor(None, gateway.load)
+    loop = asyncio.get_running_loop()
+    loading = loop.run_in_executor(None, gateway.load)
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV pool is unlinked
+        loop.add_signal_handler(sig, stopping.set)
     try:
-        await asyncio.Event().wait()
+        await stopping.wait()
     finally:
         await loading
         await runner.cleanup()
