@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 
-.PHONY: setup serve test lint
+.PHONY: setup serve test lint bench
 
 setup: $(VENV)/.installed
 
@@ -27,3 +27,10 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The side-by-side benchmark (tens of minutes): installs llama-cpp-python's server, builds
+# llama-server once, runs every system and writes docs/benchmarks.md with its plots.
+bench: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[test,bench]"
+	test -x .bench/llama-server || loadtest/build_llama_server.sh
+	$(PY) -m loadtest.bench --docs docs/benchmarks.md $(ARGS)

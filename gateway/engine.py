@@ -231,10 +231,18 @@ class Engine:
             seq.text = TextStream(seq.request.stop)
             self._running.append(seq)
             if self.cache:
-                match = self.cache.load(seq.request.prompt_tokens, seq.slot)
-                seq.holds.append(match)
-                seq.n_past = seq.cached = match.n_tokens
+                self._load_cached_prefix(seq)
         self._waiting.extendleft(reversed(deferred))
+
+    def _load_cached_prefix(self, seq: _Sequence) -> None:
+        try:
+            match = self.cache.load(seq.request.prompt_tokens, seq.slot)
+        except Exception:  # the cache is an optimisation: compute the prompt instead
+            log.exception("loading cached blocks failed; computing the prompt")
+            self.ctx.forget(seq.slot)
+            return
+        seq.holds.append(match)
+        seq.n_past = seq.cached = match.n_tokens
 
     def _prefix_in_flight(self, seq: _Sequence) -> bool:
         """True while a running request is still computing at least a block more of this

@@ -73,7 +73,12 @@ class PrefixCache:
         if match.n_tokens:
             start = time.perf_counter()
             blocks = [(self.pool.block(slot), n) for slot, n in match.blocks()]
-            self.ctx.load_sequence_state(seq_id, assemble_sequence(self.layout, blocks, seq_id))
+            try:
+                self.ctx.load_sequence_state(seq_id,
+                                             assemble_sequence(self.layout, blocks, seq_id))
+            except Exception:
+                self.tree.release(match)
+                raise
             self.stats.loads += 1
             self.stats.load_seconds += time.perf_counter() - start
             self.stats.hit_tokens += match.n_tokens
