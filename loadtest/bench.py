@@ -203,8 +203,8 @@ def make_workloads(settings: Settings, model: Model, level: int) -> dict[str, li
                 "multi_turn": multi_turn(maker, 2, 2, 32, 8),
                 "unique": unique_prompts(maker, 2, 32)}
     return {"shared_prefix": shared_prefix(maker, 2, 8, 1024, 64),
-            "multi_turn": multi_turn(maker, 4, 4, 256, 64),
-            "unique": unique_prompts(maker, 16, 512)}
+            "multi_turn": multi_turn(maker, 4, 3, 256, 64),
+            "unique": unique_prompts(maker, 16, 256)}
 
 
 def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> dict:

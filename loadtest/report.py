@@ -29,7 +29,15 @@ def write_report(results: dict, out: Path, plots: bool = True) -> str:
              f"Machine: {m['platform']}, {m['cpus']} CPUs, Python {m['python']}. Model "
              f"{m['model']}; every system: {m['threads']} threads, {m['parallel']} parallel "
              f"sequences, {m['output_tokens']} output tokens per request (end-of-generation "
-             "ignored), greedy.", ""]
+             "ignored), greedy.", "",
+             "Reproduce: `make bench` (it installs llama-cpp-python's server, builds llama-server "
+             "once with `loadtest/build_llama_server.sh`, then runs `python -m loadtest.bench "
+             "--docs docs/benchmarks.md`). Each concurrency level uses fresh seeded prompts, so "
+             "every level starts with cold caches. Workloads: shared prefix = 2 groups x 8 "
+             "prompts, each a 1,024-token system prompt + a 64-token question; multi-turn = 4 "
+             "conversations x 3 turns (256-token system prompt, 64-token user turns, whole "
+             "history resent); unique = 16 prompts of 256 tokens with their own system message.",
+             ""]
     for name, info in results["systems"].items():
         if info.get("missing"):
             lines.append(f"- **{name}**: not measured: {info['missing']}")
