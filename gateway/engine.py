@@ -259,25 +259,26 @@ class Engine:
     def _fill_batch(self) -> list[tuple[_Sequence, int]]:
         """Decode tokens first (one per generating sequence), then prompt chunks in arrival order
         while the budget lasts. Returns the sequences to sample with their logits' batch index."""
-        batch = self._batch
-        batch.clear()
-        sampled = []
+        entries = [(seq, seq.generated[-1:], True) for seq in self._running if not seq.prefilling]
+        budget = self._batch.capacity - len(entries)
         for seq in self._running:
-            if not seq.prefilling:
-                sampled.append((seq, batch.add(seq.generated[-1:], seq.n_past, seq.slot, True)))
-                seq.n_past += 1
-        for seq in self._running:
-            budget = batch.capacity - len(batch)
             if budget == 0:
                 break
             if seq.prefilling:
                 prompt = seq.request.prompt_tokens
                 chunk = prompt[seq.n_past: seq.n_past + budget]
-                completes = seq.n_past + len(chunk) == len(prompt)
-                index = batch.add(chunk, seq.n_past, seq.slot, completes)
-                seq.n_past += len(chunk)
-                if completes:
-                    sampled.append((seq, index))
+                entries.append((seq, chunk, seq.n_past + len(chunk) == len(prompt)))
+                budget -= len(chunk)
+        # In sequence-id order: llama.cpp splits a batch whose sequences are out of order into
+        # many small compute passes (8 decodes took twice as long in reverse order).
+        entries.sort(key=lambda entry: entry[0].slot)
+        self._batch.clear()
+        sampled = []
+        for seq, tokens, wants_logits in entries:
+            index = self._batch.add(tokens, seq.n_past, seq.slot, wants_logits)
+            seq.n_past += len(tokens)
+            if wants_logits:
+                sampled.append((seq, index))
         return sampled
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
