@@ -6,6 +6,7 @@ The data path of a request reads top to bottom: parse -> prompt tokens -> engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import threading
@@ -58,7 +59,7 @@ class Gateway:
         try:
             model = Model(self.config.model_path)
             seq_len = min(self.config.engine.seq_len, model.n_ctx_train)
-            engine = Engine(model, EngineConfig(**{**vars(self.config.engine), "seq_len": seq_len}))
+            engine = Engine(model, dataclasses.replace(self.config.engine, seq_len=seq_len))
             self.prompts = PromptBuilder(model)
             engine.start()
             self.model, self.engine = model, engine

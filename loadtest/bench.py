@@ -195,23 +195,48 @@ async def run_workload(server: RunningServer, system: System, conversations: lis
     return rows, wall
 
 
-def make_workloads(settings: Settings, model: Model, level: int) -> dict[str, list[Conversation]]:
+@dataclass(frozen=True)
+class Sizes:
+    groups: int
+    prompts_per_group: int
+    prefix_tokens: int
+    question_tokens: int
+    conversations: int
+    turns: int
+    system_tokens: int
+    turn_tokens: int
+    unique_prompts: int
+    unique_tokens: int
+
+    def describe(self) -> str:
+        return (f"shared prefix = {self.groups} groups x {self.prompts_per_group} prompts, each a "
+                f"{self.prefix_tokens}-token system prompt + a {self.question_tokens}-token "
+                f"question; multi-turn = {self.conversations} conversations x {self.turns} turns "
+                f"({self.system_tokens}-token system prompt, {self.turn_tokens}-token user turns, "
+                f"whole history resent); unique = {self.unique_prompts} prompts of "
+                f"{self.unique_tokens} tokens with their own system message")
+
+
+FULL = Sizes(2, 8, 1024, 64, 4, 3, 256, 64, 16, 256)
+SMOKE = Sizes(1, 3, 64, 8, 2, 2, 32, 8, 2, 32)
+
+
+def make_workloads(sizes: Sizes, model: Model, level: int) -> dict[str, list[Conversation]]:
     """Fresh prompts for each concurrency level, so every level starts with a cold cache."""
     maker = TextMaker(model, seed=1000 + level)
-    if settings.smoke:
-        return {"shared_prefix": shared_prefix(maker, 1, 3, 64, 8),
-                "multi_turn": multi_turn(maker, 2, 2, 32, 8),
-                "unique": unique_prompts(maker, 2, 32)}
-    return {"shared_prefix": shared_prefix(maker, 2, 8, 1024, 64),
-            "multi_turn": multi_turn(maker, 4, 3, 256, 64),
-            "unique": unique_prompts(maker, 16, 256)}
+    return {"shared_prefix": shared_prefix(maker, sizes.groups, sizes.prompts_per_group,
+                                           sizes.prefix_tokens, sizes.question_tokens),
+            "multi_turn": multi_turn(maker, sizes.conversations, sizes.turns,
+                                     sizes.system_tokens, sizes.turn_tokens),
+            "unique": unique_prompts(maker, sizes.unique_prompts, sizes.unique_tokens)}
 
 
 def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model = Model(str(settings.model))
     available = systems(settings, llama_server, [int(t) for t in model.eog_tokens])
-    results: dict = {"machine": machine_info(settings), "systems": {}, "runs": []}
+    results: dict = {"machine": machine_info(settings), "systems": {}, "runs": [],
+                     "workloads": (SMOKE if settings.smoke else FULL).describe()}
     for name in names:
         system = available[name]
         results["systems"][name] = {"missing": system.missing}
@@ -226,7 +251,8 @@ def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> 
             continue
         try:
             for level in settings.concurrency:
-                for workload, conversations in make_workloads(settings, model, level).items():
+                sizes = SMOKE if settings.smoke else FULL
+                for workload, conversations in make_workloads(sizes, model, level).items():
                     rows, wall = asyncio.run(run_workload(
                         server, system, conversations, level, settings.output_tokens))
                     summary = summarize([r["record"] for r in rows], wall)

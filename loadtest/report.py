@@ -33,11 +33,8 @@ def write_report(results: dict, out: Path, plots: bool = True) -> str:
              "Reproduce: `make bench` (it installs llama-cpp-python's server, builds llama-server "
              "once with `loadtest/build_llama_server.sh`, then runs `python -m loadtest.bench "
              "--docs docs/benchmarks.md`). Each concurrency level uses fresh seeded prompts, so "
-             "every level starts with cold caches. Workloads: shared prefix = 2 groups x 8 "
-             "prompts, each a 1,024-token system prompt + a 64-token question; multi-turn = 4 "
-             "conversations x 3 turns (256-token system prompt, 64-token user turns, whole "
-             "history resent); unique = 16 prompts of 256 tokens with their own system message.",
-             ""]
+             "every level starts with cold caches. Workloads: "
+             + results.get("workloads", "see loadtest/bench.py") + ".", ""]
     for name, info in results["systems"].items():
         if info.get("missing"):
             lines.append(f"- **{name}**: not measured: {info['missing']}")
