@@ -178,9 +178,9 @@ class Context:
         ptr = lc.llama_get_logits_ith(self.ptr, batch_index)
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 
-    def forget(self, seq_id: int, start: int = 0) -> None:
-        """Drop a sequence's hold on its cells from position `start` on."""
-        lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+    def forget(self, seq_id: int) -> None:
+        """Empty a sequence; its stream then fills again from its first cell."""
+        lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
     def sequence_state(self, seq_id: int) -> bytes:
         """The serialised KV cells of one sequence (see cache/kv_codec.py for the layout)."""
