@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
-from aiohttp import ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
 from gateway.llama import Model
 from gateway.model_store import default_model_path
@@ -154,7 +154,7 @@ async def chat(session: ClientSession, server: RunningServer, messages: list[dic
                     record.prompt_tokens = usage["prompt_tokens"]
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                         "cached_tokens") or 0
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, asyncio.TimeoutError, ClientError) as exc:
         record.error = type(exc).__name__
     record.end = time.perf_counter()
     if not record.output_tokens:  # a server without streamed usage: one token per chunk
@@ -188,7 +188,10 @@ async def run_workload(server: RunningServer, system: System, conversations: lis
 
     sampler = asyncio.create_task(sample_memory())
     start = time.perf_counter()
-    async with ClientSession(timeout=ClientTimeout(total=900)) as session:
+    # A fresh connection per request: a server closing an idle keep-alive connection just as it
+    # is reused would otherwise count against it.
+    async with ClientSession(timeout=ClientTimeout(total=900),
+                             connector=TCPConnector(force_close=True)) as session:
         await asyncio.gather(*(converse(session, c) for c in conversations))
     wall = time.perf_counter() - start
     sampler.cancel()
@@ -237,6 +240,7 @@ def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> 
     available = systems(settings, llama_server, [int(t) for t in model.eog_tokens])
     results: dict = {"machine": machine_info(settings), "systems": {}, "runs": [],
                      "workloads": (SMOKE if settings.smoke else FULL).describe()}
+    path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for name in names:
         system = available[name]
         results["systems"][name] = {"missing": system.missing}
@@ -267,9 +271,8 @@ def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> 
         finally:
             server.stop()
             results["systems"][name]["peak_rss_bytes"] = server.peak_rss
+            path.write_text(json.dumps(results, indent=1))  # after each system: a long run
     model.close()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"bench-{stamp}.json").write_text(json.dumps(results, indent=1))
     return results
 
 

@@ -132,3 +132,19 @@ def _plots(results: dict, out: Path) -> list[str]:
     plt.close(fig)
     return ["![Output throughput against concurrency](throughput.png)", "",
             "![TTFT distribution, shared prefix](ttft_shared_prefix.png)"]
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="Rewrite the report of a saved benchmark run.")
+    p.add_argument("results", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(write_report(json.loads(args.results.read_text()), args.out))
+
+
+if __name__ == "__main__":
+    main()
