@@ -292,8 +292,7 @@ class Engine:
             if suppress_eog:
                 logits[self.model.eog_tokens] = -np.inf
         token = seq.sampler.sample(self.ctx, batch_index)
-        if self.cache and not seq.generated:  # prompt done: let others reuse it right away
-            seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
+        prompt_done = not seq.generated
         if self.model.is_eog(token):
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
             return
@@ -303,8 +302,11 @@ class Engine:
             self._finish(seq, Output(text=text, finish_reason="stop"))
         elif len(seq.generated) >= request.max_tokens:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
-        elif text:
-            seq.handle.deliver(Output(text=text))
+        else:
+            if text:
+                seq.handle.deliver(Output(text=text))
+            if self.cache and prompt_done:  # after the first token is out: others reuse it now
+                seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
         if self.cache and output.error is None and seq in self._running:
