@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 import urllib.request
@@ -28,7 +27,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
 from gateway.llama import Model
 from gateway.model_store import default_model_path
-from loadtest.gateway_process import ROOT, free_port
+from loadtest.gateway_process import ROOT, ServerProcess
 from loadtest.stats import RequestRecord, summarize
 from loadtest.workloads import Conversation, TextMaker, multi_turn, shared_prefix, unique_prompts
 
@@ -82,32 +81,12 @@ def systems(settings: Settings, llama_server: Path, eog_tokens: list[int]) -> di
     }
 
 
-class RunningServer:
+class RunningServer(ServerProcess):
     def __init__(self, system: System, log_dir: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [part.replace("{port}", str(self.port)) for part in system.command]
-        self._log = open(log_dir / f"{system.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        super().__init__(system.command, system.health_path, log_dir / f"{system.name}.log")
         self.peak_rss = 0
-        self._wait(system.health_path)
         with urllib.request.urlopen(self.base_url + "/v1/models", timeout=10) as r:
             self.model_id = json.loads(r.read())["data"][0]["id"]
-
-    def _wait(self, path: str, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with status {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.base_url + path, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("not healthy in time")
 
     def sample_rss(self) -> None:
         try:
@@ -117,14 +96,6 @@ class RunningServer:
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
                 self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
 
 
 async def chat(session: ClientSession, server: RunningServer, messages: list[dict],

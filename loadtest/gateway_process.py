@@ -1,4 +1,5 @@
-"""Runs the real gateway as a subprocess on a free loopback port, as a user would start it."""
+"""Servers under test as subprocesses on free loopback ports: the real gateway, as a user would
+start it, and the systems the benchmarks compare it with."""
 
 from __future__ import annotations
 
@@ -22,33 +23,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class GatewayProcess:
-    def __init__(self, model_path: Path, *args: str) -> None:
+class ServerProcess:
+    """A server started as a subprocess on a free loopback port, stopped with SIGTERM."""
+
+    def __init__(self, command: list[str], health_path: str, log_path: Path) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.model_name = model_path.stem
-        self.log_path = ROOT / ".pytest_cache" / f"gateway-{self.port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--model", str(model_path), "--port",
-             str(self.port), *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        self.wait_ready()
+        self.log_path = log_path
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command],
+                                     cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=os.environ.copy())
+        self._wait_healthy(health_path)
 
-    def wait_ready(self, timeout: float = 120) -> None:
+    def _wait_healthy(self, path: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited: {self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"exited with status {self.proc.returncode}: "
+                                   f"{self.log_path.read_text(errors='replace')[-3000:]}")
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.base_url + path, timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
-        raise TimeoutError("gateway did not become healthy")
+        raise TimeoutError(f"{self.base_url}{path} did not answer 200 in time")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+class GatewayProcess(ServerProcess):
+    """The real gateway, as a user would start it."""
+
+    def __init__(self, model_path: Path, *args: str) -> None:
+        self.model_name = model_path.stem
+        super().__init__([sys.executable, "-m", "gateway", "--model", str(model_path),
+                          "--port", "{port}", *args], "/health",
+                         ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log")
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""
@@ -69,10 +89,3 @@ class GatewayProcess:
                 raise AssertionError(f"engine still busy: {m}")
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()

@@ -11,9 +11,9 @@ import pytest
 from loadtest.gateway_process import GatewayProcess
 from tests.test_disconnect import abandon_many
 
-SYSTEM = ("You are the assistant of a small bookshop. The shop opens at nine and closes at six, "
-          "sells new and second-hand books, runs a reading club on Thursdays and ships parcels "
-          "within the country. Answer briefly and politely. ") * 3
+SYSTEM = ("Marigold Books, a small bookshop, is where you assist. The shop opens at nine "
+          "and closes at six, sells new and second-hand books, runs a reading club on "
+          "Thursdays and ships parcels within the country. Answer briefly and politely. ") * 3
 
 
 def ask(client, model, messages, max_tokens=24):
