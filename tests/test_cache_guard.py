@@ -1,0 +1,24 @@
+"""Block caching is refused, with a log line, for models whose KV is not per-position."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from gateway.prefix_cache import CacheConfig, PrefixCache
+
+
+def test_smollm2_kv_splits_into_position_blocks(local_model):
+    assert local_model.has_independent_position_kv
+
+
+def test_sliding_window_or_recurrent_model_gets_no_cache(caplog):
+    model = SimpleNamespace(has_independent_position_kv=False)
+    with caplog.at_level(logging.WARNING):
+        assert PrefixCache.for_context(model, ctx=None, config=CacheConfig()) is None
+    assert "sliding-window or recurrent" in caplog.text
+
+
+def test_disabled_cache_is_none(local_model):
+    assert PrefixCache.for_context(local_model, ctx=None,
+                                   config=CacheConfig(enabled=False)) is None
