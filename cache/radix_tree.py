@@ -72,6 +72,17 @@ class RadixTree:
 
     def match(self, tokens: np.ndarray) -> Match:
         """The longest cached prefix of `tokens`, retained for the caller."""
+        path, n = self._walk(tokens)
+        for node in path:
+            self.pool.retain(node.slot)
+        self._touch(path)
+        return Match(path, n)
+
+    def matched_length(self, tokens: np.ndarray) -> int:
+        """How much of `tokens` is cached, without using (or refreshing) any block."""
+        return self._walk(tokens)[1]
+
+    def _walk(self, tokens: np.ndarray) -> tuple[list[Node], int]:
         node, path, n = self.root, [], 0
         while n < len(tokens):
             chunk = tokens[n: n + self.block_size]
@@ -85,8 +96,7 @@ class RadixTree:
             path.append(child)
             n += len(chunk)
             node = child
-        self._hold(path)
-        return Match(path, n)
+        return path, n
 
     def insert(self, tokens: np.ndarray, write: BlockWriter) -> tuple[Match, bool]:
         """Store every block of `tokens` the tree lacks, `write` filling each new block. Returns
@@ -181,11 +191,6 @@ class RadixTree:
 
     def _key(self, parent: Node, chunk: np.ndarray) -> bytes:
         return xxhash.xxh3_128(parent.key + chunk.astype(np.int32).tobytes()).digest()
-
-    def _hold(self, path: list[Node]) -> None:
-        for node in path:
-            self.pool.retain(node.slot)
-        self._touch(path)
 
     def _touch(self, path: list[Node]) -> None:
         for node in reversed(path):

@@ -85,9 +85,7 @@ class PrefixCache:
         return match
 
     def cached_length(self, tokens: list[int]) -> int:
-        match = self.tree.match(np.asarray(tokens, dtype=np.int32))
-        self.tree.release(match)
-        return match.n_tokens
+        return self.tree.matched_length(np.asarray(tokens, dtype=np.int32))
 
     def store(self, tokens: list[int], seq_id: int) -> Match:
         """Stores the blocks of the sequence's first len(tokens) cells the tree lacks; returns

@@ -54,7 +54,9 @@ class TreeAndPool(RuleBasedStateMachine):
     @rule(tokens=token_lists)
     def match(self, tokens):
         arr = np.array(tokens, np.int32)
+        expected_length = self.tree.matched_length(arr)
         m = self.tree.match(arr)
+        assert m.n_tokens == expected_length
         got = [self.pool.block(slot)[: n * 4].view(np.int32) for slot, n in m.blocks()]
         assert np.array_equal(np.concatenate(got) if got else arr[:0], arr[: m.n_tokens])
         self._hold(m)
