@@ -50,12 +50,13 @@ class Settings:
     concurrency: list[int]
     output_tokens: int
     smoke: bool
+    gateway_args: list[str] = field(default_factory=list)
 
 
 def systems(settings: Settings, llama_server: Path, eog_tokens: list[int]) -> dict[str, System]:
     m, t, n = str(settings.model), str(settings.threads), str(settings.parallel)
     gateway = [sys.executable, "-m", "gateway", "--model", m, "--threads", t, "--parallel", n,
-               "--ctx-size", str(settings.ctx_size), "--port", "{port}"]
+               "--ctx-size", str(settings.ctx_size), "--port", "{port}", *settings.gateway_args]
     server = System("llama-server", [
         str(llama_server), "-m", m, "-t", t, "-np", n, "-kvu", "--port", "{port}",
         "--host", "127.0.0.1", "-c", str(settings.ctx_size * settings.parallel),
@@ -279,11 +280,14 @@ def main() -> None:
     p.add_argument("--docs", type=Path, default=None, help="also write this markdown page")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny workloads, prefixgate only")
+    p.add_argument("--gateway-args", nargs="+", default=[],
+                   help="extra flags for prefixgate, e.g. --gateway-args=--batch-tokens=128")
     args = p.parse_args()
     settings = Settings(model=args.model or default_model_path(), threads=args.threads,
                         parallel=args.parallel, ctx_size=args.ctx_size,
                         concurrency=[2] if args.smoke else args.concurrency,
-                        output_tokens=8 if args.smoke else args.output_tokens, smoke=args.smoke)
+                        output_tokens=8 if args.smoke else args.output_tokens, smoke=args.smoke,
+                        gateway_args=args.gateway_args)
     names = ["prefixgate"] if args.smoke else args.systems
     results = run(settings, names, args.llama_server, args.out)
     table = write_report(results, args.out, plots=not args.no_plots)
