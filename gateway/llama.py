@@ -132,6 +132,7 @@ class ContextShape:
     n_seq_max: int
     n_batch: int  # tokens per llama_decode call
     n_threads: int
+    kv_type: int = KV_CACHE_TYPE  # another type only to show why (loadtest/kernel_invariance.py)
 
 
 class Context:
@@ -159,8 +160,8 @@ class Context:
         # token's KV and logits would depend on what else shares its batch, and neither batched
         # nor cached generation could equal a request run alone. Q8_0 also halves KV memory.
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.type_k = KV_CACHE_TYPE
-        params.type_v = KV_CACHE_TYPE
+        params.type_k = shape.kv_type
+        params.type_v = shape.kv_type
         self.model = model
         self.shape = shape
         self.ptr = lc.llama_init_from_model(model.ptr, params)
