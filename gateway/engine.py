@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -46,6 +47,12 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @functools.cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, biases), built once rather than at every step."""
+        return (np.fromiter(self.logit_bias.keys(), dtype=np.int64),
+                np.fromiter(self.logit_bias.values(), dtype=np.float32))
 
 
 @dataclass(frozen=True)
@@ -287,8 +294,8 @@ class Engine:
         if suppress_eog or request.logit_bias:
             logits = self.ctx.logits(batch_index)
             if request.logit_bias:
-                ids = np.fromiter(request.logit_bias.keys(), dtype=np.int64)
-                logits[ids] += np.fromiter(request.logit_bias.values(), dtype=np.float32)
+                ids, biases = request.bias_arrays
+                logits[ids] += biases
             if suppress_eog:
                 logits[self.model.eog_tokens] = -np.inf
         token = seq.sampler.sample(self.ctx, batch_index)

@@ -22,13 +22,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
+from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
 from gateway.llama import Model
 from gateway.model_store import default_model_path
+from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, ServerProcess
-from loadtest.stats import RequestRecord, summarize
+from loadtest.stats import summarize
 from loadtest.workloads import Conversation, TextMaker, multi_turn, shared_prefix, unique_prompts
 
 
@@ -99,43 +99,6 @@ class RunningServer(ServerProcess):
                 self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
 
 
-async def chat(session: ClientSession, server: RunningServer, messages: list[dict],
-               max_tokens: int, extra: dict) -> tuple[RequestRecord, str]:
-    body = {"model": server.model_id, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **extra}
-    record, text = RequestRecord(start=time.perf_counter()), []
-    try:
-        async with session.post(server.base_url + "/v1/chat/completions",
-                                json=body) as response:
-            if response.status != 200:
-                record.error = f"HTTP {response.status}"
-                return record, ""
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[6:])
-                if event.get("error"):
-                    record.error = "error event"
-                for choice in event.get("choices") or []:
-                    if content := (choice.get("delta") or {}).get("content"):
-                        record.chunk_times.append(time.perf_counter())
-                        text.append(content)
-                if usage := event.get("usage"):
-                    record.output_tokens = usage["completion_tokens"]
-                    record.prompt_tokens = usage["prompt_tokens"]
-                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens") or 0
-    except (OSError, asyncio.TimeoutError, ClientError) as exc:
-        record.error = type(exc).__name__
-    record.end = time.perf_counter()
-    if not record.output_tokens:  # a server without streamed usage: one token per chunk
-        record.output_tokens = len(record.chunk_times)
-    if record.ok and (not record.chunk_times or record.output_tokens != max_tokens):
-        record.error = f"output length {record.output_tokens} != {max_tokens}"
-    return record, "".join(text)
-
-
 async def run_workload(server: RunningServer, system: System, conversations: list[Conversation],
                        concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
     """Runs every conversation, at most `concurrency` requests in flight."""
@@ -148,8 +111,8 @@ async def run_workload(server: RunningServer, system: System, conversations: lis
         for turn, user in enumerate(conversation.turns):
             messages.append({"role": "user", "content": user})
             async with limit:
-                record, answer = await chat(session, server, messages, max_tokens,
-                                            system.extra_body)
+                record, answer = await stream_chat(session, server.base_url, server.model_id,
+                                                   messages, max_tokens, system.extra_body)
             rows.append({"turn": turn, "group": conversation.group, "record": record})
             messages.append({"role": "assistant", "content": answer})
 
