@@ -3,7 +3,8 @@
 Each node holds the tokens of one block: up to `block_size` consecutive positions, starting at a
 multiple of the block size. Matching is token-granular: a match may end inside a node, and the
 matching part of that block is reused. A partial tail block and its longer versions are siblings;
-extending a block never writes it, it stores a copy (copy-on-write).
+extending a block never writes it, it stores a copy (copy-on-write). Storing a shorter version of a
+stored block reuses the longer one, which already holds the KV of those positions.
 
 Invariants (checked by the property tests):
 - Every node's slot is referenced once by the tree, plus once per holder of a Match or insert
@@ -14,6 +15,7 @@ Invariants (checked by the property tests):
 - Eviction takes the least recently used leaf that only the tree references; its parent may become
   such a leaf in turn. Touching a path moves the leaf first, so ancestors stay more recent than
   their descendants and the LRU order meets leaves first.
+- No block only the tree references is a strict prefix of a sibling: its longer copy serves it.
 """
 
 from __future__ import annotations
@@ -100,26 +102,35 @@ class RadixTree:
 
     def insert(self, tokens: np.ndarray, write: BlockWriter) -> tuple[Match, bool]:
         """Store every block of `tokens` the tree lacks, `write` filling each new block. Returns
-        the path, retained for the caller, and whether all of it fitted in the pool."""
-        node, path, complete = self.root, [], True
-        for start in range(0, len(tokens), self.block_size):
-            chunk = tokens[start: start + self.block_size]
-            child = self._child(node, chunk)
-            if child is None:
-                child = self._new_node(node, chunk, start, write)
+        the path, retained for the caller, and whether all of it fitted in the pool. The path's
+        last block may hold more than `tokens`; the match covers only what was asked for."""
+        node, path, n, complete = self.root, [], 0, True
+        try:
+            for start in range(0, len(tokens), self.block_size):
+                chunk = tokens[start: start + self.block_size]
+                child = self._child(node, chunk) or self._longer_copy(node, chunk)
                 if child is None:
-                    complete = False
-                    break
-            else:
-                self.pool.retain(child.slot)
-            path.append(child)  # retained as we go, so making room never evicts the path
-            node = child
+                    child = self._new_node(node, chunk, start, write)
+                    if child is None:
+                        complete = False
+                        break
+                else:
+                    self.pool.retain(child.slot)
+                path.append(child)  # retained as we go, so making room never evicts the path
+                n += len(chunk)
+                node = child
+        except BaseException:  # a failed write: the caller gets nothing to release
+            self.release(Match(path, n))
+            raise
         self._touch(path)
-        return Match(path, sum(len(n.tokens) for n in path)), complete
+        return Match(path, n), complete
 
     def release(self, match: Match) -> None:
         for node in match.nodes:
             self.pool.release(node.slot)
+            # A block held when its longer copy was stored has outlived its use.
+            if self._evictable(node) and self._longer_copy(node.parent, node.tokens):
+                self._remove(node)
         match.nodes = []
 
     def _new_node(self, parent: Node, chunk: np.ndarray, start: int,
@@ -130,7 +141,11 @@ class RadixTree:
         slot = self._allocate()
         if slot is None:
             return None
-        write(self.pool.block(slot), start, start + len(chunk))
+        try:
+            write(self.pool.block(slot), start, start + len(chunk))
+        except BaseException:
+            self.pool.release(slot)
+            raise
         node = Node(chunk.copy(), key, slot, parent)
         self.pool.retain(slot)  # one reference for the tree, one for the inserting caller
         parent.children.setdefault(int(chunk[0]), []).append(node)
@@ -178,6 +193,13 @@ class RadixTree:
         if node is not None and node.parent is parent and np.array_equal(node.tokens, chunk):
             return node
         return None
+
+    def _longer_copy(self, parent: Node, chunk: np.ndarray) -> Node | None:
+        if len(chunk) == self.block_size:  # nothing is longer than a full block: skip the scan
+            return None
+        return next((child for child in parent.children.get(int(chunk[0]), [])
+                     if len(child.tokens) > len(chunk)
+                     and np.array_equal(child.tokens[: len(chunk)], chunk)), None)
 
     def _longest_common(self, parent: Node, chunk: np.ndarray) -> tuple[Node | None, int]:
         best, best_len = None, 0

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from gateway.engine import EngineConfig
+from gateway.llama import KV_TYPES
 from gateway.prefix_cache import CacheConfig
 
 
@@ -22,10 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--parallel", type=int, default=EngineConfig.parallel,
                    help="sequences decoded together")
-    p.add_argument("--ctx-size", type=int, default=EngineConfig.seq_len,
-                   help="tokens one sequence may hold, prompt plus completion")
+    p.add_argument("--ctx-size", type=int, default=EngineConfig.ctx_size,
+                   help="KV cells of all sequences together (with --deterministic, split "
+                        "evenly between them)")
     p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
+    p.add_argument("--kv-type", choices=sorted(KV_TYPES), default=None,
+                   help="KV cache type: f16 (default) or q8_0 (half the memory, changes "
+                        "outputs slightly)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="greedy output independent of batching and the cache: Q8_0 KV in one "
+                        "stream per sequence, no cell sharing between sequences")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (the baseline for benchmarks)")
@@ -45,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.deterministic and args.kv_type not in (None, "q8_0"):
+        parser.error("--deterministic keeps its guarantee with Q8_0 KV only")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
@@ -56,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(
         model_path=str(model_path),
         model_name=args.model_name or model_path.stem,
-        engine=EngineConfig(parallel=args.parallel, seq_len=args.ctx_size,
+        engine=EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
                             batch_tokens=args.batch_tokens, threads=args.threads,
+                            kv_type=args.kv_type, deterministic=args.deterministic,
                             cache=CacheConfig(enabled=not args.no_prefix_cache,
                                               budget_mb=args.cache_mb,
                                               block_size=args.block_size)),

@@ -1,17 +1,26 @@
 """Continuous batching over one llama.cpp context.
 
-One engine thread owns the context. Each step it admits waiting requests into free sequence slots,
-prefills prompts in chunks under a per-step token budget (so a long prompt never stalls running
-decodes for seconds), decodes one token for every running sequence, all in a single llama_decode
-call, and samples. Outputs cross to the asyncio side through `loop.call_soon_threadsafe`; the
-asyncio side never waits on llama.cpp.
+One engine thread owns the context. Each step it admits waiting requests into free sequences,
+decodes one token for every generating sequence and prompt chunks after them, all in a single
+llama_decode call, and samples. Outputs cross to the asyncio side through
+`loop.call_soon_threadsafe`; the asyncio side never waits on llama.cpp.
+
+Two modes (see README, "Engine modes"):
+- default: F16 KV, one unified pool of cells for all sequences. A request whose prefix a live
+  sequence holds shares those cells (`llama_memory_seq_cp`, no copy); the block pool supplies only
+  what no live sequence holds. When the cells run out, the newest request is preempted: its blocks
+  go to the pool, its cells are freed, and it resumes from the pool later.
+- deterministic: Q8_0 KV in one stream per sequence, so a request's greedy output does not depend
+  on what runs beside it or on the cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -22,8 +31,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cache.radix_tree import Match
-from gateway.llama import Batch, Context, ContextShape, DecodeError, Model, Sampler, SamplerSettings
-from gateway.prefix_cache import CacheConfig, PrefixCache
+from gateway.kv_cells import CellLedger
+from gateway.llama import (
+    Batch,
+    Context,
+    ContextShape,
+    DecodeError,
+    KVCacheFull,
+    Model,
+    Sampler,
+    SamplerSettings,
+)
+from gateway.prefix_cache import CacheConfig, CacheStats, PrefixCache
 from gateway.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -32,10 +51,28 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineConfig:
     parallel: int = 8  # sequences decoded together
-    seq_len: int = 4096  # KV cells one sequence may hold: prompt + completion
-    batch_tokens: int = 256  # tokens per llama_decode call: decodes first, prefill chunks after
+    ctx_size: int = 16384  # KV cells of all sequences together
+    # Tokens per llama_decode call: decodes first, prefill chunks after. 512 is llama-cpp-python's
+    # n_batch, so that a request alone is prefilled in the same chunks and gets the same logits.
+    batch_tokens: int = 512
     threads: int = 2
+    kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
+    deterministic: bool = False
     cache: CacheConfig = CacheConfig()
+
+    def context_shape(self) -> ContextShape:
+        if self.deterministic:
+            # Q8_0 keeps every flash-attention call on the same row-by-row kernel whatever the
+            # batch, and a stream per sequence fills its cells in position order, as alone.
+            return ContextShape(n_ctx=self.ctx_size // self.parallel * self.parallel,
+                                n_seq_max=self.parallel, n_batch=self.batch_tokens,
+                                n_threads=self.threads, kv_type=self.kv_type or "q8_0",
+                                flash_attn=True, unified=False)
+        # Flash attention off and F16 KV are llama-cpp-python's defaults: a request alone gives
+        # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
+        return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
+                            n_batch=self.batch_tokens, n_threads=self.threads,
+                            kv_type=self.kv_type or "f16", flash_attn=False, unified=True)
 
 
 @dataclass(frozen=True)
@@ -70,6 +107,28 @@ class Output:
     finish_reason: str | None = None  # "stop" | "length" | None while generating
     usage: Usage | None = None
     error: str | None = None
+    unavailable: bool = False  # the engine stopped or died: a 503, not a 500
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine thread publishes after every step, for readers on other threads."""
+
+    running: int = 0
+    waiting: int = 0
+    cells_used: int = 0
+    cells_total: int = 0
+    preemptions: int = 0
+    shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
+    cache: CacheStats | None = None
+    pool_blocks_used: int = 0
+    pool_blocks_free: int = 0
+    pool_blocks_held: int = 0
+    evictions: int = 0
+
+
+class EngineUnavailable(RuntimeError):
+    pass
 
 
 class GenerationHandle:
@@ -102,25 +161,34 @@ class GenerationHandle:
 
 @dataclass(eq=False)
 class _Sequence:
-    """Engine-side state of one admitted or waiting request."""
+    """Engine-side state of one request, waiting, running or preempted."""
 
     request: GenerationRequest
     handle: GenerationHandle
+    prompt: np.ndarray  # the prompt tokens, for vectorised prefix comparisons
+    tokens: list[int]  # prompt, then generated; the last one's KV is computed at the next step
     slot: int = -1
-    n_past: int = 0  # tokens already in the KV cache
-    cached: int = 0  # prompt tokens loaded from the prefix cache instead of computed
-    generated: list[int] = field(default_factory=list)  # the last one is not decoded yet
+    admitted: int = 0  # admission order: preemption takes the newest
+    n_past: int = 0  # positions whose KV the sequence holds
+    cached: int = 0  # prompt tokens taken from the pool or a live sequence, not computed
     sampler: Sampler | None = None
     text: TextStream | None = None
-    holds: list[Match] = field(default_factory=list)  # cached blocks this sequence keeps alive
+    holds: list[Match] = field(default_factory=list)  # blocks kept for resuming after preemption
 
     @property
-    def prefilling(self) -> bool:
-        return self.n_past < len(self.request.prompt_tokens)
+    def n_generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt_tokens)
 
-    def kv_tokens(self) -> list[int]:
+    @property
+    def pending(self) -> int:
+        """Known tokens whose KV is not computed yet (1 for a generating sequence)."""
+        return len(self.tokens) - self.n_past
+
+    def kv_tokens(self) -> np.ndarray:
         """The tokens whose KV the sequence holds."""
-        return (self.request.prompt_tokens + self.generated)[: self.n_past]
+        if self.n_past <= len(self.prompt):
+            return self.prompt[: self.n_past]
+        return np.asarray(self.tokens[: self.n_past], dtype=np.int32)
 
 
 class Engine:
@@ -130,19 +198,29 @@ class Engine:
                              "decodes one token per step")
         self.model = model
         self.config = config
-        self.ctx = Context(model, ContextShape(
-            n_ctx=config.parallel * config.seq_len,
-            n_seq_max=config.parallel,
-            n_batch=config.batch_tokens,
-            n_threads=config.threads,
-        ))
+        self.unified = not config.deterministic
+        shape = config.context_shape()
+        # Tokens one request may hold: the whole pool when it is shared, else one stream.
+        per_sequence = shape.n_ctx if self.unified else shape.n_ctx // shape.n_seq_max
+        self.seq_len = min(per_sequence, model.n_ctx_train)
+        self.ctx = Context(model, shape)
+        self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
-        self.cache = PrefixCache.for_context(model, self.ctx, config.cache)
+        self.cache = PrefixCache.for_context(model, self.ctx, config.cache,
+                                             scratch_seq=config.parallel if self.unified
+                                             else None)
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._free_slots = list(range(config.parallel))
+        self._free_slots = list(range(config.parallel - 1, -1, -1))
+        self._admissions = itertools.count(1)
+        self._paused_by_preemption = False  # until a running request releases its cells
+        self._preemptions = 0
+        self._shared_tokens = 0
         self._stopping = False
+        self._lock = threading.Lock()  # orders submit() against the engine stopping or dying
+        self.failure: str | None = None  # why the engine thread died, if it did
+        self.snapshot = EngineSnapshot(cells_total=shape.n_ctx)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ----- asyncio side -----------------------------------------------------------------------
@@ -152,41 +230,61 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         handle = GenerationHandle(self, asyncio.get_running_loop())
-        self._inbox.put(_Sequence(request, handle))
+        seq = _Sequence(request, handle, np.asarray(request.prompt_tokens, dtype=np.int32),
+                        list(request.prompt_tokens))
+        with self._lock:
+            if self.failure or self._stopping:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+            self._inbox.put(seq)
         return handle
 
     def wake(self) -> None:
         self._inbox.put(None)
 
-    def stop(self) -> None:
-        self._stopping = True
+    def stop(self, timeout: float = 60) -> None:
+        with self._lock:
+            self._stopping = True
         self.wake()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # still inside llama.cpp: freeing its context would crash
+            log.error("the engine thread did not stop within %.0f s; leaving its context", timeout)
+            return
         if self.cache:
             self.cache.close()
         self._batch.close()
         self.ctx.close()
 
     @property
-    def n_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def n_waiting(self) -> int:
-        return len(self._waiting) + self._inbox.qsize()
+    def alive(self) -> bool:
+        return self.failure is None and not self._stopping
 
     # ----- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._step()
-            except Exception:  # keep serving: fail what was in flight, not the process
-                log.exception("engine step failed")
-                for seq in list(self._running):
-                    self._finish(seq, Output(error="internal engine error"))
+        try:
+            while not self._stopping:
+                try:
+                    self._step()
+                except Exception:  # keep serving: fail what was in flight, not the process
+                    log.exception("engine step failed")
+                    for seq in list(self._running):
+                        self._finish(seq, Output(error="internal engine error"))
+                self._publish()
+            reason = "the server is shutting down"
+        except BaseException as exc:  # the thread dies: say so, and answer everyone
+            log.exception("the engine thread died")
+            reason = f"the engine stopped: {exc!r}"
+            with self._lock:
+                self.failure = reason
+        with self._lock:  # nothing enters the inbox after this
+            self._take_inbox(block=False)
         for seq in list(self._running) + list(self._waiting):
-            self._finish(seq, Output(error="server shutting down"))
+            with contextlib.suppress(Exception):
+                self._release(seq)
+            seq.handle.deliver(Output(error=reason, unavailable=True))
+        self._running.clear()
+        self._waiting.clear()
+        self._publish()
 
     def _step(self) -> None:
         self._take_inbox(block=not self._running and not self._waiting)
@@ -194,16 +292,26 @@ class Engine:
         self._admit()
         if not self._running:
             return
-        sampled = self._fill_batch()
-        try:
-            self.ctx.decode(self._batch)
-        except DecodeError as exc:
-            log.error("%s; failing the %d sequences in the batch", exc, len(self._running))
-            for seq in list(self._running):
-                self._finish(seq, Output(error=str(exc)))
-            return
-        for seq, batch_index in sampled:
-            self._sample(seq, batch_index)
+        while True:
+            entries = self._plan_batch()
+            if not entries:  # prompt chunks found no free cells
+                self._preempt_newest()
+                continue
+            try:
+                self.ctx.decode(self._batch)
+                break
+            except KVCacheFull:
+                self._preempt_newest()
+            except DecodeError as exc:
+                log.error("%s; failing the %d sequences in the batch", exc, len(self._running))
+                for seq in list(self._running):
+                    self._finish(seq, Output(error=str(exc)))
+                return
+        for seq, n_tokens, batch_index in entries:
+            seq.n_past += n_tokens
+            self.cells.add(seq.slot, n_tokens)
+            if batch_index is not None:
+                self._sample(seq, batch_index)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -216,81 +324,154 @@ class Engine:
             pass
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._running if s.handle.cancelled]:
+        for seq in [s for s in self._running + list(self._waiting) if s.handle.cancelled]:
             self._release(seq)
-        self._waiting = deque(s for s in self._waiting if not s.handle.cancelled)
+
+    # ----- admission --------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        deferred = deque()
-        while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
-            if self._prefix_in_flight(seq):
-                deferred.append(seq)
+        """Admits waiting requests in arrival order while sequences and cells last. A request
+        whose prefix a running request is still computing waits for those cells instead of
+        computing them twice; it does not hold back the requests behind it."""
+        if self._paused_by_preemption:
+            return
+        for seq in list(self._waiting):
+            if not self._free_slots:
+                return
+            target = self._reusable(seq)
+            donor, live = self._live_prefix(target)
+            if self._prefix_in_flight(target, live):
                 continue
+            if self.unified and self._running and not self._cells_suffice(seq, live):
+                return
+            self._waiting.remove(seq)
             try:
-                seq.sampler = Sampler(seq.request.sampler, self.model.n_vocab,
-                                      penalty_window=self.config.seq_len)
-            except Exception as exc:  # a request llama.cpp rejects must not take others down
-                log.exception("could not set up sampling")
-                self._finish(seq, Output(error=f"could not set up sampling: {exc}"))
-                continue
-            seq.slot = self._free_slots.pop()
-            seq.text = TextStream(seq.request.stop)
-            self._running.append(seq)
-            if self.cache:
-                self._load_cached_prefix(seq)
-        self._waiting.extendleft(reversed(deferred))
+                self._start(seq, donor, live)
+            except Exception as exc:  # one request llama.cpp rejects must not take others down
+                log.exception("could not admit a request")
+                self._finish(seq, Output(error=f"could not start generation: {exc}"))
 
-    def _load_cached_prefix(self, seq: _Sequence) -> None:
+    def _reusable(self, seq: _Sequence) -> np.ndarray:
+        """The tokens whose KV may come from elsewhere: all but the last known one, whose
+        logits give the next token."""
+        if seq.n_generated == 0:
+            return seq.prompt[:-1]
+        return np.asarray(seq.tokens[:-1], dtype=np.int32)
+
+    def _cells_suffice(self, seq: _Sequence, live: int) -> bool:
+        # Room for its prompt beside one more token for every running sequence.
+        return len(seq.tokens) - live + len(self._running) <= self.cells.free
+
+    def _start(self, seq: _Sequence, donor: _Sequence | None, live: int) -> None:
+        if seq.sampler is None:
+            seq.sampler = Sampler(seq.request.sampler, self.model.n_vocab,
+                                  penalty_window=self.seq_len)
+            seq.text = TextStream(seq.request.stop)
+        seq.slot = self._free_slots.pop()
+        seq.admitted = next(self._admissions)
+        self._running.append(seq)
+        resumed = seq.n_generated > 0
+        if donor is not None:
+            self.ctx.share(donor.slot, seq.slot, 0, live)
+            self.cells.share(donor.slot, seq.slot, live)
+            seq.n_past = live
+            self._shared_tokens += 0 if resumed else live
+        if self.cache:
+            self._load_cached(seq)
+        if not resumed:
+            seq.cached = seq.n_past
+
+    def _load_cached(self, seq: _Sequence) -> None:
         try:
-            match = self.cache.load(seq.request.prompt_tokens, seq.slot)
+            n = self.cache.load(self._reusable(seq), seq.slot, have=seq.n_past)
         except Exception:  # the cache is an optimisation: compute the prompt instead
             log.exception("loading cached blocks failed; computing the prompt")
-            self.ctx.forget(seq.slot)
             return
-        seq.holds.append(match)
-        seq.n_past = seq.cached = match.n_tokens
+        finally:
+            self._drop_holds(seq)
+        if seq.n_generated == 0:
+            self.cache.stats.queried_tokens += len(seq.prompt)
+            self.cache.stats.hit_tokens += n - seq.n_past
+        self.cells.add(seq.slot, n - seq.n_past)
+        seq.n_past = n
 
-    def _prefix_in_flight(self, seq: _Sequence) -> bool:
-        """True while a running request is still computing at least a block more of this
-        request's prompt than the cache holds: waiting for it beats computing it twice."""
+    def _live_prefix(self, tokens: np.ndarray) -> tuple[_Sequence | None, int]:
+        """The running sequence holding the longest computed prefix of `tokens`."""
+        best, best_len = None, 0
+        if not self.unified:  # streams do not share cells
+            return best, best_len
+        for other in self._running:
+            n = _common_prefix(tokens, other.kv_tokens())
+            if n > best_len:
+                best, best_len = other, n
+        return best, best_len
+
+    def _prefix_in_flight(self, tokens: np.ndarray, live: int) -> bool:
+        """True while a running request is prefilling at least a block more of `tokens` than a
+        live sequence or the pool can give now: waiting for it beats computing it twice."""
         if not self.cache:
             return False
-        prompt = seq.request.prompt_tokens
-        shared = max((_common_prefix(prompt, other.request.prompt_tokens)
-                      for other in self._running if other.prefilling), default=0)
-        if shared < self.cache.pool.block_size:
+        pending = max((_common_prefix(tokens, other.prompt[:-1]) for other in self._running
+                       if other.n_generated == 0 and other.pending > 1), default=0)
+        block = self.cache.block_size
+        if pending - live < block:
             return False
-        return shared - self.cache.cached_length(prompt[:shared]) >= self.cache.pool.block_size
+        return pending - max(live, self.cache.cached_length(tokens[:pending])) >= block
 
-    def _fill_batch(self) -> list[tuple[_Sequence, int]]:
-        """Decode tokens first (one per generating sequence), then prompt chunks in arrival order
-        while the budget lasts. Returns the sequences to sample with their logits' batch index."""
-        entries = [(seq, seq.generated[-1:], True) for seq in self._running if not seq.prefilling]
-        budget = self._batch.capacity - len(entries)
+    # ----- one step ---------------------------------------------------------------------------
+
+    def _plan_batch(self) -> list[tuple[_Sequence, int, int | None]]:
+        """Fills the batch: one token for every generating sequence, then prompt chunks in
+        arrival order while the token budget and the free cells last. Returns (sequence, tokens
+        added, batch index of its logits or None)."""
+        decoding = [seq for seq in self._running if seq.pending == 1]
+        while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
+            victim = self._preempt_newest()
+            decoding = [seq for seq in decoding if seq is not victim]
+        plan = [(seq, seq.tokens[-1:]) for seq in decoding]
+        budget = self._batch.capacity - len(plan)
+        if self.unified:
+            budget = min(budget, self.cells.free - len(plan))
         for seq in self._running:
-            if budget == 0:
+            if budget <= 0:
                 break
-            if seq.prefilling:
-                prompt = seq.request.prompt_tokens
-                chunk = prompt[seq.n_past: seq.n_past + budget]
-                entries.append((seq, chunk, seq.n_past + len(chunk) == len(prompt)))
+            if seq.pending > 1:
+                chunk = seq.tokens[seq.n_past: seq.n_past + budget]
+                plan.append((seq, chunk))
                 budget -= len(chunk)
         # In sequence-id order: llama.cpp splits a batch whose sequences are out of order into
         # many small compute passes (8 decodes took twice as long in reverse order).
-        entries.sort(key=lambda entry: entry[0].slot)
+        plan.sort(key=lambda entry: entry[0].slot)
         self._batch.clear()
-        sampled = []
-        for seq, tokens, wants_logits in entries:
+        entries = []
+        for seq, tokens in plan:
+            wants_logits = seq.n_past + len(tokens) == len(seq.tokens)
             index = self._batch.add(tokens, seq.n_past, seq.slot, wants_logits)
-            seq.n_past += len(tokens)
-            if wants_logits:
-                sampled.append((seq, index))
-        return sampled
+            entries.append((seq, len(tokens), index if wants_logits else None))
+        return entries
+
+    def _preempt_newest(self) -> _Sequence:
+        """Pauses the most recently admitted request: its KV goes to the pool (held, so that it
+        survives until it resumes), its cells are freed, and it waits at the head of the queue.
+        No more requests are admitted until a running one releases cells."""
+        if len(self._running) < 2:
+            raise RuntimeError("one request needs more KV cells than the context has")
+        victim = max(self._running, key=lambda seq: seq.admitted)
+        log.info("no free KV cells: preempting a request after %d tokens", victim.n_past)
+        if self.cache and victim.n_past:
+            held = self.cache.store(victim.kv_tokens(), victim.slot, final=False, hold=True)
+            if held is not None:
+                victim.holds.append(held)
+        self._vacate(victim)
+        victim.n_past = 0
+        self._waiting.appendleft(victim)
+        self._paused_by_preemption = True
+        self._preemptions += 1
+        return victim
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
         request = seq.request
-        suppress_eog = request.ignore_eos or len(seq.generated) < request.min_tokens
+        suppress_eog = request.ignore_eos or seq.n_generated < request.min_tokens
         if suppress_eog or request.logit_bias:
             logits = self.ctx.logits(batch_index)
             if request.logit_bias:
@@ -299,53 +480,74 @@ class Engine:
             if suppress_eog:
                 logits[self.model.eog_tokens] = -np.inf
         token = seq.sampler.sample(self.ctx, batch_index)
-        prompt_done = not seq.generated
+        prompt_done = seq.n_generated == 0
         if self.model.is_eog(token):
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
             return
-        seq.generated.append(token)
+        seq.tokens.append(token)
         text = seq.text.push(self.model.token_piece(token))
         if seq.text.stopped:
             self._finish(seq, Output(text=text, finish_reason="stop"))
-        elif len(seq.generated) >= request.max_tokens:
+        elif seq.n_generated >= request.max_tokens:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
         else:
             if text:
                 seq.handle.deliver(Output(text=text))
-            if self.cache and prompt_done:  # after the first token is out: others reuse it now
-                seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
+            if self.cache and prompt_done and not self.unified:
+                # Without shared cells, a request arriving meanwhile takes the prompt from the
+                # pool: store it as soon as the first token is out.
+                self.cache.store(seq.kv_tokens(), seq.slot, final=False)
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
         if self.cache and output.error is None and seq in self._running:
-            # Prompt and answer, so that the next turn of a chat finds its history cached. The
-            # holds go first so that the partial tail block stored after prefill, now superseded
-            # by a longer copy, can be dropped.
-            self._drop_holds(seq)
-            seq.holds.append(self.cache.store(seq.kv_tokens(), seq.slot))
+            # Prompt and answer, so that the next turn of a chat finds its history cached.
+            self.cache.store(seq.kv_tokens(), seq.slot, final=True)
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
-                      completion_tokens=len(seq.generated), cached_tokens=seq.cached)
+                      completion_tokens=seq.n_generated, cached_tokens=seq.cached)
         self._release(seq)  # before the client hears the end, so nothing of it is left then
-        seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error))
+        seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error,
+                                  output.unavailable))
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
-            self._running.remove(seq)
-            self.ctx.forget(seq.slot)
-            self._free_slots.append(seq.slot)
-            seq.sampler.close()
+            self._vacate(seq)
+            self._paused_by_preemption = False
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        if seq.sampler is not None:
+            seq.sampler.close()
         self._drop_holds(seq)
+
+    def _vacate(self, seq: _Sequence) -> None:
+        """Frees the sequence's slot and its hold on cells."""
+        self._running.remove(seq)
+        self.ctx.forget(seq.slot)
+        self.cells.forget(seq.slot)
+        self._free_slots.append(seq.slot)
+        if not self._running:
+            # Idle: start the next request at cell 0, the layout a fresh context gives it.
+            self.ctx.clear()
 
     def _drop_holds(self, seq: _Sequence) -> None:
         for match in seq.holds:
             self.cache.release(match)
         seq.holds.clear()
 
+    def _publish(self) -> None:
+        cache = self.cache
+        pool = cache.pool if cache else None
+        self.snapshot = EngineSnapshot(
+            running=len(self._running), waiting=len(self._waiting),
+            cells_used=self.cells.used, cells_total=self.cells.n_cells,
+            preemptions=self._preemptions, shared_tokens=self._shared_tokens,
+            cache=dataclasses.replace(cache.stats) if cache else None,
+            pool_blocks_used=pool.n_used if pool else 0,
+            pool_blocks_free=pool.n_free if pool else 0,
+            pool_blocks_held=int((pool.refcounts > 1).sum()) if pool else 0,
+            evictions=cache.tree.evictions if cache else 0)
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if len(differs) else n

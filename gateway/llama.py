@@ -32,7 +32,7 @@ lc.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
 lc.llama_backend_init()
 
 
-KV_CACHE_TYPE = lc.GGML_TYPE_Q8_0
+KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
 
 class ModelLoadError(RuntimeError):
@@ -41,6 +41,10 @@ class ModelLoadError(RuntimeError):
 
 class DecodeError(RuntimeError):
     pass
+
+
+class KVCacheFull(DecodeError):
+    """llama_decode found no free cells for the batch; the context is unchanged."""
 
 
 class Model:
@@ -130,20 +134,18 @@ class Model:
 class ContextShape:
     n_ctx: int  # KV cells of all sequences together
     n_seq_max: int
-    n_batch: int  # tokens per llama_decode call
+    n_batch: int  # tokens per llama_decode call, and per compute pass (n_ubatch)
     n_threads: int
-    kv_type: int = KV_CACHE_TYPE  # another type only to show why (loadtest/kernel_invariance.py)
+    kv_type: str = "f16"
+    flash_attn: bool = False
+    unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
 
 
 class Context:
-    """One llama.cpp context holding `n_seq_max` sequences, each in its own KV stream of
-    n_ctx / n_seq_max cells. Used by the engine thread only.
+    """One llama.cpp context holding up to `n_seq_max` sequences. Used by the engine thread only.
 
-    Why not unified KV: flash attention accumulates over a sequence's cells in their physical
-    order. A unified pool reuses cells that other sequences freed, so a sequence's cells end up out
-    of position order in a way that depends on its neighbours, and greedy output would change with
-    the load. In its own stream a sequence always fills cells 0, 1, 2, ... in position order, the
-    same layout as a request run alone."""
+    With unified KV all sequences draw cells from one pool, so `seq_cp` shares a prefix's cells
+    between sequences without copying them; llama.cpp frees a cell when no sequence holds it."""
 
     def __init__(self, model: Model, shape: ContextShape) -> None:
         params = lc.llama_context_default_params()
@@ -153,24 +155,23 @@ class Context:
         params.n_seq_max = shape.n_seq_max
         params.n_threads = shape.n_threads
         params.n_threads_batch = shape.n_threads
-        params.kv_unified = False  # see the class docstring
+        params.kv_unified = shape.unified
         params.no_perf = True
-        # Q8_0 KV keeps every flash-attention call on llama.cpp's row-by-row CPU kernel; with F16
-        # KV it switches to tiled or split-KV kernels by batch size, whose numerics differ. Then a
-        # token's KV and logits would depend on what else shares its batch, and neither batched
-        # nor cached generation could equal a request run alone. Q8_0 also halves KV memory.
-        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.type_k = shape.kv_type
-        params.type_v = shape.kv_type
+        params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attn
+                                  else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.type_k = params.type_v = KV_TYPES[shape.kv_type]
         self.model = model
         self.shape = shape
         self.ptr = lc.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise ModelLoadError("llama.cpp could not create a context")
         self.memory = lc.llama_get_memory(self.ptr)
+        self._state_buffer = np.empty(0, np.uint8)
 
     def decode(self, batch: Batch) -> None:
         status = lc.llama_decode(self.ptr, batch.raw)
+        if status == 1:
+            raise KVCacheFull(f"no free KV cells for a batch of {len(batch)} tokens")
         if status != 0:
             raise DecodeError(f"llama_decode returned {status}")
 
@@ -180,26 +181,42 @@ class Context:
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 
     def forget(self, seq_id: int) -> None:
-        """Empty a sequence; its stream then fills again from its first cell."""
+        """Drop a sequence's hold on all its cells."""
         lc.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
-    def sequence_state(self, seq_id: int) -> bytes:
-        """The serialised KV cells of one sequence (see cache/kv_codec.py for the layout)."""
-        size = lc.llama_state_seq_get_size(self.ptr, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self.ptr, buf, size, seq_id)
-        return memoryview(buf)[:written]
+    def clear(self) -> None:
+        """Drop every cell; the next cells are taken from the first one on, as in a new
+        context."""
+        lc.llama_memory_clear(self.memory, False)
 
-    def load_sequence_state(self, seq_id: int, blob: bytes) -> None:
+    def share(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Give `dst` the cells of `src` at positions [p0, p1): no data moves."""
+        lc.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def sequence_state(self, seq_id: int) -> np.ndarray:
+        """The serialised KV cells of one sequence (see cache/kv_codec.py for the layout), in a
+        buffer reused from call to call: valid until the next call."""
+        size = lc.llama_state_seq_get_size(self.ptr, seq_id)
+        if len(self._state_buffer) < size:
+            self._state_buffer = np.empty(size, np.uint8)
+        written = lc.llama_state_seq_get_data(self.ptr, _uint8_pointer(self._state_buffer),
+                                              size, seq_id)
+        return self._state_buffer[:written]
+
+    def load_sequence_state(self, seq_id: int, blob: np.ndarray) -> None:
         """Replace a sequence's cells with serialised ones."""
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if lc.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id) != len(blob):
+        if lc.llama_state_seq_set_data(self.ptr, _uint8_pointer(blob), len(blob),
+                                       seq_id) != len(blob):
             raise DecodeError(f"llama.cpp refused {len(blob)} bytes of KV for sequence {seq_id}")
 
     def close(self) -> None:
         if self.ptr:
             lc.llama_free(self.ptr)
             self.ptr = None
+
+
+def _uint8_pointer(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
 class Batch:

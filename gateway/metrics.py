@@ -9,7 +9,6 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     generate_latest,
 )
@@ -28,11 +27,6 @@ class Metrics:
     def __init__(self, gateway: Gateway) -> None:
         self.started = time.monotonic()
         self.registry = r = CollectorRegistry()
-        engine = lambda: gateway.engine  # noqa: E731 - the engine exists only once loaded
-        Gauge("prefixgate_num_requests_running", "Requests holding a sequence",
-              registry=r).set_function(lambda: engine().n_running if engine() else 0)
-        Gauge("prefixgate_num_requests_waiting", "Requests queued for a sequence",
-              registry=r).set_function(lambda: engine().n_waiting if engine() else 0)
         self.ttft = Histogram("prefixgate_time_to_first_token_seconds",
                               "Time from request to first generated text", registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -48,7 +42,7 @@ class Metrics:
                                          "Completion tokens generated", registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
-        r.register(_PrefixCacheCollector(gateway))
+        r.register(_EngineCollector(gateway))
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -80,18 +74,37 @@ class RequestTimer:
             m.requests.labels(output.finish_reason or "error").inc()
 
 
-class _PrefixCacheCollector(Collector):
-    """Reads the engine's cache counters at scrape time; they live on the engine thread."""
+class _EngineCollector(Collector):
+    """Reads the snapshot the engine thread publishes after every step: the live state belongs
+    to that thread."""
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
 
     def collect(self):
         engine = self._gateway.engine
-        cache = engine.cache if engine else None
-        if cache is None:
+        if engine is None:
             return
-        stats, pool = cache.stats, cache.pool
+        snap = engine.snapshot
+        yield GaugeMetricFamily("prefixgate_num_requests_running", "Requests holding a sequence",
+                                value=snap.running)
+        yield GaugeMetricFamily("prefixgate_num_requests_waiting",
+                                "Requests queued for a sequence, preempted ones included",
+                                value=snap.waiting)
+        yield GaugeMetricFamily("prefixgate_kv_cells_used",
+                                "KV cells of the context in use (cells shared by several "
+                                "sequences count once)", value=snap.cells_used)
+        yield GaugeMetricFamily("prefixgate_kv_cells_total", "KV cells of the context",
+                                value=snap.cells_total)
+        yield CounterMetricFamily("prefixgate_num_preemptions",
+                                  "Requests paused because the KV cells ran out",
+                                  value=snap.preemptions)
+        yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
+                                  "Prompt tokens taken from live sequences' cells (seq_cp)",
+                                  value=snap.shared_tokens)
+        stats = snap.cache
+        if stats is None:
+            return
         yield CounterMetricFamily("prefixgate_prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache",
                                   value=stats.queried_tokens)
@@ -103,23 +116,33 @@ class _PrefixCacheCollector(Collector):
         yield CounterMetricFamily("prefixgate_prefix_cache_load_seconds",
                                   "Time spent loading cached blocks into sequences",
                                   value=stats.load_seconds)
+        yield CounterMetricFamily("prefixgate_prefix_cache_store_seconds",
+                                  "Time spent cutting sequences into cached blocks",
+                                  value=stats.store_seconds)
+        yield CounterMetricFamily("prefixgate_prefix_cache_store_failures",
+                                  "Stores that failed: the request ran on uncached",
+                                  value=stats.store_failures)
         yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
-                                  "KV blocks evicted to make room", value=cache.tree.evictions)
+                                  "KV blocks evicted to make room", value=snap.evictions)
         yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
                                   "Requests whose blocks did not fit: every block was in use",
                                   value=stats.uncached_requests)
+        block_size = engine.cache.pool.block_size
+        slot_bytes = engine.cache.pool.slot_bytes
+        n_slots = snap.pool_blocks_used + snap.pool_blocks_free
         yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
-                                value=pool.block_size)
+                                value=block_size)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
-                                value=pool.n_used)
+                                value=snap.pool_blocks_used)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",
-                                value=pool.n_free)
+                                value=snap.pool_blocks_free)
         yield GaugeMetricFamily("prefixgate_kv_pool_bytes_used", "Bytes of KV blocks in use",
-                                value=pool.n_used * pool.slot_bytes)
+                                value=snap.pool_blocks_used * slot_bytes)
         yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
-                                value=pool.capacity_bytes)
+                                value=n_slots * slot_bytes)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_held",
-                                "Pool blocks referenced by running requests, not only the tree",
-                                value=int((pool.refcounts > 1).sum()))
+                                "Pool blocks referenced by requests, not only the tree",
+                                value=snap.pool_blocks_held)
         yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
-                                "Fraction of pool blocks in use", value=pool.n_used / pool.n_slots)
+                                "Fraction of pool blocks in use",
+                                value=snap.pool_blocks_used / n_slots)

@@ -6,7 +6,6 @@ The data path of a request reads top to bottom: parse -> prompt tokens -> engine
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import threading
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from gateway.engine import Engine, EngineConfig, GenerationHandle
+from gateway.engine import Engine, EngineConfig, EngineUnavailable, GenerationHandle, Output
 from gateway.errors import APIError, invalid
 from gateway.llama import Model
 from gateway.metrics import Metrics
@@ -58,14 +57,15 @@ class Gateway:
     def load(self) -> None:
         try:
             model = Model(self.config.model_path)
-            seq_len = min(self.config.engine.seq_len, model.n_ctx_train)
-            engine = Engine(model, dataclasses.replace(self.config.engine, seq_len=seq_len))
+            engine = Engine(model, self.config.engine)
             self.prompts = PromptBuilder(model)
             engine.start()
             self.model, self.engine = model, engine
-            log.info("serving %s as %r: %d parallel sequences of up to %d tokens",
-                     self.config.model_path, self.config.model_name, engine.config.parallel,
-                     engine.config.seq_len)
+            log.info("serving %s as %r: %d parallel sequences in %d KV cells (%s), requests of "
+                     "up to %d tokens", self.config.model_path, self.config.model_name,
+                     engine.config.parallel, engine.cells.n_cells,
+                     "deterministic" if engine.config.deterministic else "unified",
+                     engine.seq_len)
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = str(exc)
@@ -95,6 +95,9 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "error", "error": gateway.load_error}, status=500)
     if not gateway.ready:
         return web.json_response({"status": "loading"}, status=503)
+    if not gateway.engine.alive:
+        return web.json_response({"status": "error", "error": gateway.engine.failure
+                                  or "shutting down"}, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -136,9 +139,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt_tokens: list[int], writer: ResponseWriter) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
-    generation = body.to_generation(prompt_tokens, gateway.engine.config.seq_len,
+    generation = body.to_generation(prompt_tokens, gateway.engine.seq_len,
                                     gateway.model.n_vocab)
-    handle = gateway.engine.submit(generation)
+    try:
+        handle = gateway.engine.submit(generation)
+    except EngineUnavailable as exc:
+        raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
+                       ) from None
     timer = gateway.metrics.request_timer()
     try:
         if body.stream:
@@ -153,7 +160,7 @@ async def _collect(handle: GenerationHandle, writer: ResponseWriter, timer) -> w
     async for output in handle.outputs():
         timer.on_output(output)
         if output.error:
-            raise APIError(500, f"Generation failed: {output.error}", code="engine_error")
+            raise _generation_error(output)
         parts.append(output.text)
     return _json(writer.whole("".join(parts), output.finish_reason, output.usage))
 
@@ -168,8 +175,7 @@ async def _stream(request: web.Request, handle: GenerationHandle, writer: Respon
     async for output in handle.outputs():
         timer.on_output(output)
         if output.error:
-            await _event(response, APIError(500, f"Generation failed: {output.error}",
-                                            code="engine_error").body())
+            await _event(response, _generation_error(output).body())
             break
         if output.text or output.finish_reason:
             await _event(response, writer.chunk(output.text, output.finish_reason,
@@ -179,6 +185,13 @@ async def _stream(request: web.Request, handle: GenerationHandle, writer: Respon
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _generation_error(output: Output) -> APIError:
+    if output.unavailable:
+        return APIError(503, f"The engine is not serving: {output.error}",
+                        code="engine_unavailable")
+    return APIError(500, f"Generation failed: {output.error}", code="engine_error")
 
 
 async def _event(response: web.StreamResponse, payload: dict) -> None:

@@ -9,6 +9,15 @@ from gateway.llama import Model
 from gateway.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess
 
+# The default mode: F16 KV in one unified pool of cells, live prefixes shared between sequences.
+DEFAULT_ARGS = ("--parallel", "8", "--ctx-size", "8192")
+# The deterministic mode: Q8_0 KV, one stream of 2,048 cells per sequence.
+DETERMINISTIC_ARGS = ("--parallel", "8", "--ctx-size", "16384", "--deterministic")
+
+
+def openai_client(server: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
@@ -18,34 +27,60 @@ def model_path() -> Path:
 @pytest.fixture(scope="session")
 def gateway(model_path: Path):
     """One real gateway on the default model, shared by the HTTP tests."""
-    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "2048")
+    server = GatewayProcess(model_path, *DEFAULT_ARGS)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def uncached_gateway(model_path: Path):
-    """The same gateway with the prefix cache off: the reference for exactness."""
-    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "2048",
-                            "--no-prefix-cache")
+    """The same gateway with the prefix cache off: the reference for cached outputs."""
+    server = GatewayProcess(model_path, *DEFAULT_ARGS, "--no-prefix-cache")
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def uncached_client(uncached_gateway: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=uncached_gateway.base_url + "/v1", api_key="unused",
-                         max_retries=0)
+def deterministic_gateway(model_path: Path):
+    server = GatewayProcess(model_path, *DETERMINISTIC_ARGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def deterministic_uncached_gateway(model_path: Path):
+    server = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--no-prefix-cache")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
 def client(gateway: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(gateway)
+
+
+@pytest.fixture(scope="session")
+def uncached_client(uncached_gateway: GatewayProcess) -> openai.OpenAI:
+    return openai_client(uncached_gateway)
 
 
 @pytest.fixture(scope="session")
 def model_name(gateway: GatewayProcess) -> str:
     return gateway.model_name
+
+
+@pytest.fixture(scope="session", params=["default", "deterministic"])
+def mode(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def mode_gateways(request, mode: str) -> tuple[GatewayProcess, GatewayProcess]:
+    """(cached, uncached) gateways of the mode under test."""
+    if mode == "default":
+        return (request.getfixturevalue("gateway"), request.getfixturevalue("uncached_gateway"))
+    return (request.getfixturevalue("deterministic_gateway"),
+            request.getfixturevalue("deterministic_uncached_gateway"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Real KV blocks round-trip through the pool: a restored prefix continues exactly as a cold one.
+"""Real KV blocks round-trip through the pool, in both engine modes' context layouts.
 
 This also pins the serialised layout of the vendored llama.cpp: if an upgrade changes it, these
 tests fail instead of the cache serving garbage."""
@@ -9,16 +9,22 @@ import numpy as np
 import pytest
 
 from cache.block_pool import BlockPool
-from cache.kv_codec import KVLayout, LayoutError, SequenceState, assemble_sequence
-from gateway.llama import Batch, Context, ContextShape
+from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
+from gateway.engine import EngineConfig
+from gateway.llama import Batch, Context
 
 BLOCK = 16
+SCRATCH = 3
 
 
-@pytest.fixture(scope="module")
-def ctx(local_model):
-    context = Context(local_model, ContextShape(n_ctx=4 * 512, n_seq_max=4, n_batch=256,
-                                                n_threads=2))
+def _shape(deterministic: bool):
+    return EngineConfig(parallel=3, ctx_size=3 * 512, batch_tokens=256,
+                        deterministic=deterministic).context_shape()
+
+
+@pytest.fixture(scope="module", params=["default", "deterministic"])
+def ctx(request, local_model):
+    context = Context(local_model, _shape(request.param == "deterministic"))
     yield context
     context.close()
 
@@ -33,67 +39,92 @@ def prefill(ctx: Context, tokens: list[int], seq: int, start: int = 0) -> np.nda
         batch.close()
 
 
-def test_restored_prefix_gives_bitwise_identical_logits(ctx, local_model, capsys):
+def to_blocks(state: SequenceState, pool: BlockPool, end: int) -> list[tuple[np.ndarray, int]]:
+    blocks = []
+    for start in range(0, end, BLOCK):
+        slot = pool.allocate()
+        stop = min(start + BLOCK, end)
+        state.write_block(pool.block(slot), start, stop)
+        blocks.append((pool.block(slot), stop - start))
+    return blocks
+
+
+def rows_by_position(state: SequenceState) -> list[np.ndarray]:
+    """Every layer's K and V rows, in position order."""
+    return [np.ascontiguousarray(rows[state.cell_of]).reshape(len(state.cell_of), -1)
+            for rows in state.k + state.v]
+
+
+def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys):
+    """Bitwise in the deterministic layout; in the default one (flash attention off, F16) the
+    restored cells sit elsewhere in the pool, so sums group differently: close, not equal."""
     tokens = local_model.tokenize("The history of the radix tree begins with " * 8,
                                   add_special=False, parse_special=False)
     prefix, tail = tokens[:-5], tokens[-5:]
     cold = prefill(ctx, tokens, seq=0)
-
     prefill(ctx, prefix, seq=1)
     state = SequenceState.parse(ctx.sequence_state(1), layout=None)
-    layout = state.layout
-    pool = BlockPool("test-codec", layout.block_bytes(BLOCK), 64 << 20, "fp", BLOCK)
+    pool = BlockPool("test-codec", state.layout.block_bytes(BLOCK), 64 << 20, "fp", BLOCK)
     try:
-        blocks = []
-        for start in range(0, len(prefix), BLOCK):
-            slot = pool.allocate()
-            end = min(start + BLOCK, len(prefix))
-            state.write_block(pool.block(slot), start, end)
-            blocks.append((pool.block(slot), end - start))
-        ctx.load_sequence_state(2, assemble_sequence(layout, blocks, seq_id=2))
+        blob = SequenceAssembler(state.layout).assemble(to_blocks(state, pool, len(prefix)), 2)
+        ctx.load_sequence_state(2, blob)
         warm = prefill(ctx, tail, seq=2, start=len(prefix))
     finally:
         pool.close()
-        for seq in range(3):
-            ctx.forget(seq)
+        ctx.clear()
     diff = float(np.abs(warm - cold).max())
     with capsys.disabled():
-        print(f"\nmax abs logit difference, restored prefix vs cold prefill: {diff}")
-    assert diff == 0.0
+        print(f"\nmax abs logit difference, restored prefix vs cold prefill "
+              f"({'unified F16' if ctx.shape.unified else 'deterministic'}): {diff}")
+    if ctx.shape.unified:
+        assert diff < 0.5
+        assert int(np.argmax(warm)) == int(np.argmax(cold))
+    else:
+        assert diff == 0.0
 
 
-def test_partial_block_reuse_is_exact(ctx, local_model):
-    """A match ending inside a block reuses only the matching cells of that block."""
-    tokens = local_model.tokenize("Alpha beta gamma delta epsilon zeta eta theta " * 4,
-                                  add_special=False, parse_special=False)
-    cold = prefill(ctx, tokens, seq=0)
-    prefill(ctx, tokens[:BLOCK * 2], seq=1)
-    state = SequenceState.parse(ctx.sequence_state(1), layout=None)
-    pool = BlockPool("test-partial", state.layout.block_bytes(BLOCK), 16 << 20, "fp", BLOCK)
+def test_round_trip_keeps_every_byte_even_out_of_cell_order(ctx, local_model):
+    """Cells out of position order (a unified pool reuses freed cells) and transposed V (flash
+    attention off) come back byte for byte, each at its position, through partial blocks."""
+    words = local_model.tokenize("Alpha beta gamma delta epsilon zeta eta theta " * 6,
+                                 add_special=False, parse_special=False)
+    prefill(ctx, words[:40], seq=0)
+    prefill(ctx, words[:30], seq=1)
+    ctx.forget(0)  # frees cells before sequence 1's, which its next tokens take in a unified pool
+    prefill(ctx, words[30:45], seq=1, start=30)
+    source = SequenceState.parse(ctx.sequence_state(1), layout=None)
+    if ctx.shape.unified:
+        assert np.any(np.diff(source.cell_of) < 0)  # really out of order
+    expected = rows_by_position(source)
+    layout = source.layout
+    pool = BlockPool("test-order", layout.block_bytes(BLOCK), 16 << 20, "fp", BLOCK)
     try:
-        slots = [pool.allocate(), pool.allocate()]
-        state.write_block(pool.block(slots[0]), 0, BLOCK)
-        state.write_block(pool.block(slots[1]), BLOCK, 2 * BLOCK)
-        used = BLOCK + 5  # the whole first block and 5 cells of the second
-        blob = assemble_sequence(state.layout, [(pool.block(slots[0]), BLOCK),
-                                                (pool.block(slots[1]), 5)], seq_id=2)
+        used = 2 * BLOCK + 5  # two whole blocks and 5 cells of the third
+        blocks = to_blocks(source, pool, 45)
+        blob = SequenceAssembler(layout).assemble(blocks[:2] + [(blocks[2][0], 5)], seq_id=2)
         ctx.load_sequence_state(2, blob)
-        warm = prefill(ctx, tokens[used:], seq=2, start=used)
+        loaded = SequenceState.parse(ctx.sequence_state(2), layout)
     finally:
         pool.close()
-        for seq in range(3):
-            ctx.forget(seq)
-    assert float(np.abs(warm - cold).max()) == 0.0
+        ctx.clear()
+    assert loaded.first_pos == 0 and len(loaded.cell_of) == used
+    for got, want in zip(rows_by_position(loaded), expected, strict=True):
+        assert np.array_equal(got, want[:used])
 
 
 def test_layout_is_read_and_checked(ctx, local_model):
     prefill(ctx, [1, 2, 3], seq=0)
     blob = bytes(ctx.sequence_state(0))
-    ctx.forget(0)
+    ctx.clear()
     layout = KVLayout.from_sequence_state(blob)
-    assert layout.n_layer == 30 and layout.n_stream == 4
-    assert layout.bytes_per_token == 2 * 30 * 204  # Q8_0 rows of 192 values
+    assert layout.n_layer == 30
+    if ctx.shape.unified:  # F16 rows of 192 values, V transposed
+        assert layout.n_stream == 1 and layout.v_trans
+        assert layout.bytes_per_token == 2 * 30 * 192 * 2
+    else:  # Q8_0 rows of 192 values: 6 blocks of 34 bytes
+        assert layout.n_stream == 3 and not layout.v_trans
+        assert layout.bytes_per_token == 2 * 30 * 204
     with pytest.raises(LayoutError):
-        SequenceState.parse(blob, layout=KVLayout(4, (1,), (2,), (1,), (2,)))
+        SequenceState.parse(blob, layout=KVLayout(4, False, (1,), (2,), (1,), (2,), (0,)))
     with pytest.raises(LayoutError):
         SequenceState.parse(b"\0" * len(blob), layout=None)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import openai
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
 
 HELLO = [{"role": "user", "content": "Say hello to the world."}]
 
@@ -118,16 +122,24 @@ def test_penalties_and_logit_bias_change_output(client, model_name, local_model)
     assert banned.choices[0].text != first_token
 
 
-def test_context_limit_ends_with_length(client, model_name, gateway):
-    r = client.completions.create(model=model_name, prompt="a " * 2000, temperature=0,
-                                  extra_body={"ignore_eos": True})
+@pytest.fixture(scope="module")
+def small_context_client(model_path):
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "1024")
+    yield openai_client(server)
+    server.stop()
+
+
+def test_context_limit_ends_with_length(small_context_client, model_name):
+    r = small_context_client.completions.create(model=model_name, prompt="a " * 1000,
+                                                temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens + r.usage.completion_tokens == 2048
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 1024
 
 
-def test_prompt_longer_than_context_is_rejected(client, model_name):
+def test_prompt_longer_than_context_is_rejected(small_context_client, model_name):
     try:
-        client.completions.create(model=model_name, prompt="a " * 3000, max_tokens=4)
+        small_context_client.completions.create(model=model_name, prompt="a " * 1500,
+                                                max_tokens=4)
     except openai.BadRequestError as exc:
         assert exc.code == "context_length_exceeded"
     else:

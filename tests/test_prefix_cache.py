@@ -1,5 +1,6 @@
-"""The prefix cache through the real server: cached output equals uncached output token for token,
-and `cached_tokens` says how much of each prompt was loaded instead of computed."""
+"""The prefix cache through the real server, in both engine modes: cached output equals uncached
+output token for token on the test chats, and `cached_tokens` says how much of each prompt was
+loaded or shared instead of computed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import openai
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
 from tests.test_disconnect import abandon_many
 
 SYSTEM = ("Marigold Books, a small bookshop, is where you assist. The shop opens at nine "
@@ -26,7 +28,13 @@ def system_chat(question, system=SYSTEM):
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
-def test_repeated_and_shared_prompts_match_uncached(client, uncached_client, model_name):
+@pytest.fixture
+def clients(mode_gateways):
+    return tuple(openai_client(server) for server in mode_gateways)
+
+
+def test_repeated_and_shared_prompts_match_uncached(clients, model_name):
+    client, uncached_client = clients
     first = system_chat("When do you open?")
     text, usage = ask(client, model_name, first)
     assert usage.prompt_tokens_details.cached_tokens < 8  # cold: the chat template's opening
@@ -42,14 +50,16 @@ def test_repeated_and_shared_prompts_match_uncached(client, uncached_client, mod
             < usage.prompt_tokens - 1
 
 
-def test_unshared_prompt_is_computed_and_exact(client, uncached_client, model_name):
+def test_unshared_prompt_is_computed_and_exact(clients, model_name):
+    client, uncached_client = clients
     messages = system_chat("Describe a lighthouse in a storm.", "Zebras quietly juggle.")
     warm, usage = ask(client, model_name, messages)
     assert usage.prompt_tokens_details.cached_tokens < 8  # the chat template's opening only
     assert warm == ask(uncached_client, model_name, messages)[0]
 
 
-def test_multi_turn_chat_hits_its_history_and_stays_exact(client, uncached_client, model_name):
+def test_multi_turn_chat_hits_its_history_and_stays_exact(clients, model_name):
+    client, uncached_client = clients
     history = [{"role": "system", "content": SYSTEM}]
     previous_prompt = 0
     for turn, question in enumerate(["Hello!", "Can you ship a book to Lyon?",
@@ -65,8 +75,12 @@ def test_multi_turn_chat_hits_its_history_and_stays_exact(client, uncached_clien
         history.append({"role": "assistant", "content": warm})
 
 
-def test_concurrent_requests_share_a_new_prefix_exactly(client, uncached_client, model_name,
-                                                        gateway):
+def test_concurrent_requests_share_a_new_prefix_exactly(deterministic_gateway,
+                                                        deterministic_uncached_gateway,
+                                                        model_name):
+    gateway = deterministic_gateway
+    client, uncached_client = (openai_client(deterministic_gateway),
+                               openai_client(deterministic_uncached_gateway))
     system = "You are a weather bot for the city of Tampere. " * 12
     questions = [f"What is the forecast for day {i}?" for i in range(8)]
 
@@ -82,9 +96,26 @@ def test_concurrent_requests_share_a_new_prefix_exactly(client, uncached_client,
     assert gateway.wait_idle()["prefixgate_kv_pool_blocks_held"] == 0
 
 
+def test_concurrent_requests_share_live_cells(client, model_name, gateway):
+    """Default mode: arrivals take the cells of a prefix another request holds or is computing
+    right now (seq_cp), without copies from the pool or computing it again."""
+    system = "You are a ferry timetable bot for the harbour of Turku. " * 12
+    questions = [f"When does ferry {i} leave?" for i in range(8)]
+    before = gateway.metrics()["prefixgate_prefix_shared_tokens_total"]
+    with ThreadPoolExecutor(8) as pool:
+        warm = list(pool.map(lambda q: ask(client, model_name, system_chat(q, system)),
+                             questions))
+    assert all(text for text, _ in warm)
+    assert sum(usage.prompt_tokens_details.cached_tokens > 100 for _, usage in warm) >= 6
+    metrics = gateway.wait_idle()
+    assert metrics["prefixgate_prefix_shared_tokens_total"] - before > 600
+    assert metrics["prefixgate_kv_cells_used"] == 0
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+
+
 @pytest.fixture(scope="module")
 def small_pool_gateway(model_path):
-    # 6 MiB holds 8 blocks of 64 tokens: not even three of the prompts below.
+    # 6 MiB holds 4 F16 blocks of 64 tokens: not even two of the prompts below.
     server = GatewayProcess(model_path, "--parallel", "4", "--ctx-size", "1024",
                             "--cache-mb", "6")
     yield server
@@ -107,7 +138,7 @@ def test_eviction_under_a_small_pool(small_pool_gateway, uncached_client, model_
     metrics = small_pool_gateway.wait_idle()
     assert metrics["prefixgate_prefix_cache_evictions_total"] > 0
     assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 6 << 20
-    assert metrics["prefixgate_kv_pool_blocks_used"] <= 8
+    assert metrics["prefixgate_kv_pool_blocks_used"] <= 4
     assert metrics["prefixgate_kv_pool_blocks_held"] == 0
     # The most recently used prefix survives; the oldest was evicted.
     usage = complete(client, prompts[-1])[1]

@@ -45,9 +45,10 @@ class TreeAndPool(RuleBasedStateMachine):
         arr = np.array(tokens, np.int32)
         used_before = self.pool.n_used
         match, complete = self.tree.insert(arr, write_tokens(arr))
-        stored = np.concatenate([n.tokens for n in match.nodes]) if match.nodes else arr[:0]
-        assert np.array_equal(stored, arr[: len(stored)])
-        if not complete:  # only when everything left was in use
+        self._check_blocks(match, arr)
+        if complete:
+            assert match.n_tokens == len(arr)
+        else:  # only when everything left was in use
             assert self.pool.n_free == 0 or used_before == self.pool.n_slots
         self._hold(match)
 
@@ -57,9 +58,12 @@ class TreeAndPool(RuleBasedStateMachine):
         expected_length = self.tree.matched_length(arr)
         m = self.tree.match(arr)
         assert m.n_tokens == expected_length
+        self._check_blocks(m, arr)
+        self._hold(m)
+
+    def _check_blocks(self, m: Match, arr: np.ndarray) -> None:
         got = [self.pool.block(slot)[: n * 4].view(np.int32) for slot, n in m.blocks()]
         assert np.array_equal(np.concatenate(got) if got else arr[:0], arr[: m.n_tokens])
-        self._hold(m)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -99,6 +103,17 @@ class TreeAndPool(RuleBasedStateMachine):
             assert node in node.parent.children[int(node.tokens[0])]
 
     @invariant()
+    def no_unheld_leaf_is_a_strict_prefix_of_a_sibling(self):
+        held = {id(n) for match, _ in self.held for n in match.nodes}
+        for node in self.tree.nodes():
+            if node.children or id(node) in held:
+                continue
+            n = len(node.tokens)
+            for sibling in node.parent.children[int(node.tokens[0])]:
+                assert not (len(sibling.tokens) > n
+                            and np.array_equal(sibling.tokens[:n], node.tokens))
+
+    @invariant()
     def idle_blocks_belong_to_the_tree_exactly_once(self):
         if not self.held:
             used = self.pool.refcounts[self.pool.refcounts > 0]
@@ -125,6 +140,42 @@ def test_lru_leaf_is_evicted_first_and_recent_prefixes_survive():
         assert complete and tree.evictions == 2
         assert tree.match(prompts[0]).n_tokens == 8  # survived
         assert tree.match(prompts[1]).n_tokens == 0  # evicted, leaf first, then its parent
+    finally:
+        pool.close()
+
+
+def test_a_shorter_copy_stored_after_the_longer_one_reuses_it():
+    # The review's case: A stores prompt P and its answer, then B, with the same P, stores P.
+    pool = BlockPool("shorter-after", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
+    tree = RadixTree(pool)
+    try:
+        p_and_answer = np.arange(8, dtype=np.int32)  # two full blocks
+        prompt = p_and_answer[:6]  # one full block and two tokens of the second
+        for tokens in (p_and_answer, prompt):
+            match, complete = tree.insert(tokens, write_tokens(tokens))
+            assert complete and match.n_tokens == len(tokens)
+            tree.release(match)
+        assert pool.n_used == len(tree) == 2
+        match = tree.match(prompt)
+        assert match.n_tokens == 6 and [n for _, n in match.blocks()] == [4, 2]
+        tree.release(match)
+    finally:
+        pool.close()
+
+
+def test_a_shorter_copy_held_while_the_longer_one_is_stored_goes_on_release():
+    pool = BlockPool("shorter-held", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
+    tree = RadixTree(pool)
+    try:
+        p_and_answer = np.arange(8, dtype=np.int32)
+        prompt = p_and_answer[:6]
+        held, _ = tree.insert(prompt, write_tokens(prompt))
+        longer, _ = tree.insert(p_and_answer, write_tokens(p_and_answer))
+        tree.release(longer)
+        assert pool.n_used == len(tree) == 3  # the shorter copy is still in use
+        tree.release(held)
+        assert pool.n_used == len(tree) == 2
+        assert tree.match(prompt).n_tokens == 6
     finally:
         pool.close()
 
