@@ -108,6 +108,7 @@ class Output:
     usage: Usage | None = None
     error: str | None = None
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
+    generated: tuple[int, ...] = ()  # on the last output: every generated token id
 
 
 @dataclass(frozen=True)
@@ -352,10 +353,12 @@ class Engine:
                 self._finish(seq, Output(error=f"could not start generation: {exc}"))
 
     def _reusable(self, seq: _Sequence) -> np.ndarray:
-        """The tokens whose KV may come from elsewhere: all but the last known one, whose
-        logits give the next token."""
+        """The tokens whose KV may come from elsewhere. A new prompt keeps its last two tokens
+        to compute: llama.cpp's CPU matmuls take another kernel for a one-token batch (sgemm
+        serves two or more), so a one-token tail would round differently from the prompt
+        computed whole. A resumed request recomputes just its last token, as its decode did."""
         if seq.n_generated == 0:
-            return seq.prompt[:-1]
+            return seq.prompt[:-2]
         return np.asarray(seq.tokens[:-1], dtype=np.int32)
 
     def _cells_suffice(self, seq: _Sequence, live: int) -> bool:
@@ -506,7 +509,8 @@ class Engine:
                       completion_tokens=seq.n_generated, cached_tokens=seq.cached)
         self._release(seq)  # before the client hears the end, so nothing of it is left then
         seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error,
-                                  output.unavailable))
+                                  output.unavailable,
+                                  tuple(seq.tokens[len(seq.request.prompt_tokens):])))
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:

@@ -116,6 +116,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("prefixgate_prefix_cache_load_seconds",
                                   "Time spent loading cached blocks into sequences",
                                   value=stats.load_seconds)
+        yield CounterMetricFamily("prefixgate_prefix_cache_stores",
+                                  "Stores of sequences' new blocks", value=stats.stores)
         yield CounterMetricFamily("prefixgate_prefix_cache_store_seconds",
                                   "Time spent cutting sequences into cached blocks",
                                   value=stats.store_seconds)

@@ -26,14 +26,15 @@ def free_port() -> int:
 class ServerProcess:
     """A server started as a subprocess on a free loopback port, stopped with SIGTERM."""
 
-    def __init__(self, command: list[str], health_path: str, log_path: Path) -> None:
+    def __init__(self, command: list[str], health_path: str, log_path: Path,
+                 cwd: Path = ROOT) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command],
-                                     cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=os.environ.copy())
         self._wait_healthy(health_path)
 
@@ -64,11 +65,13 @@ class ServerProcess:
 class GatewayProcess(ServerProcess):
     """The real gateway, as a user would start it."""
 
-    def __init__(self, model_path: Path, *args: str) -> None:
+    def __init__(self, model_path: Path, *args: str, source: Path = ROOT) -> None:
+        """`source`: the checkout whose gateway runs (another one for before/after figures)."""
         self.model_name = model_path.stem
         super().__init__([sys.executable, "-m", "gateway", "--model", str(model_path),
                           "--port", "{port}", *args], "/health",
-                         ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log")
+                         ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
+                         cwd=source)
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""

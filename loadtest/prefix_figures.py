@@ -4,8 +4,9 @@
 
 1. A ~1,000-token shared system prompt + short questions: time to first token cold (a new system
    prompt) vs warm (the system prompt cached), and the time spent loading the cached blocks.
-2. 10 concurrent sessions sharing that system prompt: the KV bytes their cached state takes in the
-   pool, against what 10 unshared copies would take.
+2. 10 concurrent sessions sharing that system prompt, with distinct questions: the KV cells they
+   hold in the context at the peak (live sequences share the prompt's cells), and the KV bytes
+   their cached state takes in the pool, each against what 10 private copies would take.
 """
 
 from __future__ import annotations
@@ -60,13 +61,27 @@ async def ttft_figures(server: GatewayProcess, rounds: int) -> dict:
             "warm": statistics.median(warm), "load": load}
 
 
+async def peak_cells(server: GatewayProcess, done: asyncio.Event) -> int:
+    """The most context cells in use, sampled from /metrics until `done`."""
+    peak = 0
+    while not done.is_set():
+        metrics = await asyncio.to_thread(server.metrics)
+        peak = max(peak, int(metrics["prefixgate_kv_cells_used"]))
+        await asyncio.sleep(0.02)
+    return peak
+
+
 async def sharing_figures(server: GatewayProcess, sessions: int) -> dict:
     system = system_prompt(999)
     async with ClientSession() as session:
         before = server.metrics()
+        done = asyncio.Event()
+        sampler = asyncio.create_task(peak_cells(server, done))
         records = await asyncio.gather(*(
             ask(session, server, system, f"Question {i}: what about year {1800 + i}?",
                 max_tokens=32) for i in range(sessions)))
+        done.set()
+        cells = await sampler
     after = server.metrics()
     used_blocks = (after["prefixgate_kv_pool_blocks_used"]
                    - before["prefixgate_kv_pool_blocks_used"])
@@ -77,7 +92,10 @@ async def sharing_figures(server: GatewayProcess, sessions: int) -> dict:
     unshared_blocks = sum(math.ceil((r.prompt_tokens + r.output_tokens - 1) / block_tokens)
                           for r in records)
     return {"sessions": sessions, "shared_bytes": used_blocks * block_bytes,
-            "unshared_bytes": unshared_blocks * block_bytes}
+            "unshared_bytes": unshared_blocks * block_bytes, "peak_cells": cells,
+            "private_cells": sum(r.prompt_tokens + r.output_tokens - 1 for r in records),
+            "shared_tokens": (after["prefixgate_prefix_shared_tokens_total"]
+                              - before["prefixgate_prefix_shared_tokens_total"])}
 
 
 def main() -> None:
@@ -87,6 +105,8 @@ def main() -> None:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sessions", type=int, default=10)
+    p.add_argument("--gateway-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra prefixgate flags, e.g. --deterministic")
     args = p.parse_args()
     model_path = args.model or default_model_path()
     print("| block size | prompt tokens | TTFT cold (s) | TTFT warm (s) | warm/cold | "
@@ -94,7 +114,9 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     sharing = None
     for block_size in args.block_sizes:
-        server = GatewayProcess(model_path, "--block-size", str(block_size))
+        # Enough sequences that all the sessions run at once.
+        server = GatewayProcess(model_path, "--block-size", str(block_size),
+                                "--parallel", str(max(8, args.sessions)), *args.gateway_args)
         try:
             f = asyncio.run(ttft_figures(server, args.rounds))
             print(f"| {block_size} | {f['prompt_tokens']} | {f['cold']:.3f} | {f['warm']:.3f} | "
@@ -105,11 +127,14 @@ def main() -> None:
             server.stop()
     s = sharing
     print(f"\n{s['sessions']} concurrent sessions sharing one system prompt "
-          f"(block size {args.block_sizes[0]}), KV held in the pool:")
-    print("| shared (MiB) | unshared (MiB) | shared/unshared |")
-    print("|---:|---:|---:|")
-    print(f"| {s['shared_bytes'] / 2**20:.1f} | {s['unshared_bytes'] / 2**20:.1f} | "
-          f"{s['shared_bytes'] / s['unshared_bytes']:.1%} |")
+          f"(block size {args.block_sizes[0]}), against {s['sessions']} private copies:")
+    print("| KV held | shared | private copies | shared/private |")
+    print("|---|---:|---:|---:|")
+    print(f"| cells in the context, at the peak | {s['peak_cells']} | {s['private_cells']} | "
+          f"{s['peak_cells'] / s['private_cells']:.1%} |")
+    print(f"| bytes in the pool (MiB) | {s['shared_bytes'] / 2**20:.1f} | "
+          f"{s['unshared_bytes'] / 2**20:.1f} | {s['shared_bytes'] / s['unshared_bytes']:.1%} |")
+    print(f"\nprompt tokens taken from live sequences' cells: {s['shared_tokens']:.0f}")
 
 
 if __name__ == "__main__":

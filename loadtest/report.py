@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS = {"shared_prefix": "shared prefix", "multi_turn": "multi-turn",
-             "unique": "unique prompts"}
+             "unique": "unique prompts", "prefill": "prefill", "many_streams": "many streams"}
+PER_LEVEL = ("shared_prefix", "multi_turn", "unique")  # run at every concurrency level: plotted
+OURS = ("prefixgate", "prefixgate-deterministic")  # the engine modes with targets
+BASELINE = "llama-server"
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _measured(results: dict) -> list[dict]:
+    # Results saved before prefill and many streams were measured have neither list; a streams
+    # entry of a system that could not start has no figures.
+    return [run for run in [*results["runs"], *results.get("prefill", []),
+                            *results.get("streams", [])] if "ttft" in run]
+
+
 def _run(results: dict, system: str, workload: str, level: int) -> dict | None:
-    for run in results["runs"]:
+    for run in _measured(results):
         if (run["system"], run["workload"], run["concurrency"]) == (system, workload, level):
             return run
     return None
@@ -23,13 +34,146 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def _cell(text: str, limit: int = 160) -> str:
+    """Text fit for a table cell: a start-up failure carries the server's log."""
+    flat = " ".join(text.split()).replace("|", "\\|")
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
+@dataclass(frozen=True)
+class Measure:
+    label: str
+    workload: str
+    level: int
+    path: tuple[str, ...]  # keys down to the figure in a run
+    unit: str
+
+    def of(self, run: dict | None) -> float | None:
+        value = run
+        for key in self.path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    def fmt(self, value: float | None) -> str:
+        return _fmt(value, 1 if self.unit == "tok/s" else 3)
+
+
+@dataclass(frozen=True)
+class Target:
+    measure: Measure
+    bound: float  # on the ratio of ours to llama-server's figure
+    at_least: bool  # True: the ratio must be >= bound, else <= bound
+
+    def describe(self) -> str:
+        return f"target {'>=' if self.at_least else '<='} {self.bound:g}x"
+
+    def met(self, ratio: float) -> bool:
+        return ratio >= self.bound if self.at_least else ratio <= self.bound
+
+
+def targets(results: dict) -> list[Target]:
+    streams = sorted({run["concurrency"] for run in results.get("streams", [])})
+    return [
+        Target(Measure("single-request prefill", "prefill", 1, ("prefill_tokens_per_s",),
+                       "tok/s"), 0.95, at_least=True),
+        *(Target(Measure(f"unique prompts, concurrency {level}, output throughput", "unique",
+                         level, ("output_throughput",), "tok/s"), 1.0, at_least=True)
+          for level in (1, 8)),
+        Target(Measure("shared prefix, concurrency 8, TTFT p50", "shared_prefix", 8,
+                       ("ttft", "p50"), "s"), 0.5, at_least=False),
+        *(Target(Measure(f"{n} streams, wall time", "many_streams", n, ("wall_seconds",), "s"),
+                 0.2, at_least=False) for n in streams),
+    ]
+
+
+def comparison(results: dict, ours: str, theirs: str, measure: Measure,
+               target: Target | None = None) -> str | None:
+    """One line: ours against theirs on `measure`, with the target's verdict if given. Without
+    a target, None when either was not measured."""
+    a_run, b_run = (_run(results, s, measure.workload, measure.level) for s in (ours, theirs))
+    a, b = measure.of(a_run), measure.of(b_run)
+    head = f"- {ours} vs {theirs}, {measure.label}"
+    if a is None or not b:
+        return f"{head}: not measured ({target.describe()})." if target else None
+    ratio = a / b
+    line = f"{head}: {measure.fmt(a)} vs {measure.fmt(b)} {measure.unit} = {ratio:.2f}x"
+    if target:
+        # Failed requests make a run shorter, not better.
+        met = target.met(ratio) and not a_run["failed"]
+        line += f" ({target.describe()}): {'met' if met else 'not met'}"
+    for system, run in ((ours, a_run), (theirs, b_run)):
+        if run["failed"]:
+            line += f"; {run['failed']} of {system}'s requests failed"
+    return line + "."
+
+
+def _ratios(results: dict) -> list[str]:
+    lines = ["## What the table answers", "",
+             f"Targets: prefixgate's two engine modes against {BASELINE}, as the ratio of their "
+             "figure to its figure. A run with failed requests misses its target.", ""]
+    for ours in OURS:
+        if ours in results["systems"]:
+            lines += [comparison(results, ours, BASELINE, t.measure, t) for t in targets(results)]
+    others = [s for s in results["systems"] if s not in ("prefixgate", BASELINE)]
+    others_lines = [line for theirs in others for t in targets(results)
+                    if (line := comparison(results, "prefixgate", theirs, t.measure))]
+    if others_lines:
+        lines += ["", "Against the other systems (no targets):", "", *others_lines]
+    return lines
+
+
+def _prefill(results: dict) -> list[str]:
+    runs = results.get("prefill") or []
+    if not runs:
+        return []
+    base = _run(results, BASELINE, "prefill", 1)
+    lines = ["## Single-request prefill", "",
+             f"Single-request prefill tok/s, target >= 0.95x {BASELINE}'s: prompt tokens (counted "
+             "with the model's chat template, the same for every system) / TTFT, the median of "
+             "requests one after another, each with a fresh prompt; measured once per system.", "",
+             "| system | prompt tokens | TTFT p50 (s) | prefill tok/s | "
+             f"vs {BASELINE} | failed |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        rate = run.get("prefill_tokens_per_s")
+        lines.append(f"| {run['system']} | {run.get('prefill_prompt_tokens', '-')} | "
+                     f"{_fmt(run['ttft']['p50'])} | {_fmt(rate, 1)} | "
+                     f"{_ratio(rate, base and base.get('prefill_tokens_per_s'))} | "
+                     f"{run['failed']} |")
+    return lines
+
+
+def _streams(results: dict) -> list[str]:
+    entries = results.get("streams") or []
+    if not entries:
+        return []
+    lines = ["## Many streams", "",
+             f"Wall time of N streams, target prefixgate / {BASELINE} <= 0.2x. "
+             + results.get("streams_note", ""), "",
+             f"| streams | system | KV cells | wall (s) | vs {BASELINE} | TTFT p50 (s) "
+             "| out tok/s | peak memory (MiB) | failed |", "|" + "---|" * 9]
+    for entry in sorted(entries, key=lambda e: e["concurrency"]):
+        n = entry["concurrency"]
+        head = f"| {n} | {entry['system']} | {entry.get('kv_cells', '-')} |"
+        if "ttft" not in entry:
+            lines.append(f"{head} not run: {_cell(entry.get('missing') or 'unknown')} |"
+                         + " - |" * 5)
+            continue
+        base = _run(results, BASELINE, "many_streams", n)
+        lines.append(f"{head} {_fmt(entry['wall_seconds'], 1)} | "
+                     f"{_ratio(entry['wall_seconds'], base and base['wall_seconds'])} | "
+                     f"{_fmt(entry['ttft']['p50'])} | {entry['output_throughput']:.1f} | "
+                     f"{entry.get('peak_rss_bytes', 0) / 2**20:.0f} | {entry['failed']} |")
+    return lines
+
+
 def write_report(results: dict, out: Path, plots: bool = True) -> str:
     m = results["machine"]
     lines = ["# Benchmarks", "",
              f"Machine: {m['platform']}, {m['cpus']} CPUs, Python {m['python']}. Model "
              f"{m['model']}; every system: {m['threads']} threads, {m['parallel']} parallel "
-             f"sequences, {m['output_tokens']} output tokens per request (end-of-generation "
-             "ignored), greedy.", "",
+             f"sequences with {m['ctx_size']} KV cells each (many streams: see there), "
+             f"{m['output_tokens']} output tokens per request (end-of-generation ignored), "
+             "greedy.", "",
              "Reproduce: `make bench` (it installs llama-cpp-python's server, builds llama-server "
              "once with `loadtest/build_llama_server.sh`, then runs `python -m loadtest.bench "
              "--docs docs/benchmarks.md`). Each concurrency level uses fresh seeded prompts, so "
@@ -39,13 +183,19 @@ def write_report(results: dict, out: Path, plots: bool = True) -> str:
         if info.get("missing"):
             lines.append(f"- **{name}**: not measured: {info['missing']}")
         else:
+            cells = f", {info['kv_cells']} KV cells in all" if info.get("kv_cells") else ""
             lines.append(f"- **{name}**: peak resident memory "
-                         f"{info.get('peak_rss_bytes', 0) / 2**20:.0f} MiB")
+                         f"{info.get('peak_rss_bytes', 0) / 2**20:.0f} MiB{cells}")
     lines += ["", *_ratios(results), ""]
+    for section in (_prefill(results), _streams(results)):
+        if section:
+            lines += [*section, ""]
     header = ("| workload | conc. | system | TTFT p50 / p90 / p99 (s) | TPOT p50 (s) | ITL p50 (s) "
               "| E2E p50 (s) | req/s | out tok/s | cached | failed |")
     lines += ["## All runs", "", header, "|" + "---|" * 11]
-    for run in sorted(results["runs"], key=lambda r: (r["workload"], r["concurrency"])):
+    order = list(WORKLOADS)
+    for run in sorted(_measured(results),
+                      key=lambda r: (order.index(r["workload"]), r["concurrency"])):
         t = run["ttft"]
         lines.append(
             f"| {WORKLOADS[run['workload']]} | {run['concurrency']} | {run['system']} | "
@@ -59,30 +209,6 @@ def write_report(results: dict, out: Path, plots: bool = True) -> str:
     table = "\n".join(lines) + "\n"
     (out / "benchmarks.md").write_text(table)
     return table
-
-
-def _ratios(results: dict) -> list[str]:
-    lines = ["## What the table answers", ""]
-    ours = _run(results, "prefixgate", "shared_prefix", 8)
-    for other in results["systems"]:
-        theirs = _run(results, other, "shared_prefix", 8)
-        if other == "prefixgate" or not ours or not theirs:
-            continue
-        lines.append(f"- Shared prefix, concurrency 8, vs {other}: TTFT p50 "
-                     f"{_fmt(ours['ttft']['p50'])} s vs {_fmt(theirs['ttft']['p50'])} s "
-                     f"({_ratio(ours['ttft']['p50'], theirs['ttft']['p50'])}); output throughput "
-                     f"{ours['output_throughput']:.1f} vs {theirs['output_throughput']:.1f} tok/s "
-                     f"({_ratio(ours['output_throughput'], theirs['output_throughput'])}).")
-    for other in ("prefixgate-no-cache", "llama-server"):
-        for level in (1, 8):
-            a = _run(results, "prefixgate", "unique", level)
-            b = _run(results, other, "unique", level)
-            if a and b:
-                ratio = _ratio(a["output_throughput"], b["output_throughput"])
-                lines.append(f"- Unique prompts, concurrency {level}: prefixgate's output "
-                             f"throughput is {ratio} of {other}'s ({a['output_throughput']:.1f} "
-                             f"vs {b['output_throughput']:.1f} tok/s).")
-    return lines
 
 
 def _per_turn(results: dict) -> list[str]:
@@ -103,16 +229,16 @@ def _plots(results: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     systems = [s for s, info in results["systems"].items() if not info.get("missing")]
-    levels = sorted({r["concurrency"] for r in results["runs"]})
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4))
-    for ax, (workload, title) in zip(axes, WORKLOADS.items(), strict=True):
+    levels = sorted({r["concurrency"] for r in results["runs"] if r["workload"] in PER_LEVEL})
+    fig, axes = plt.subplots(1, len(PER_LEVEL), figsize=(5 * len(PER_LEVEL), 4))
+    for ax, workload in zip(axes, PER_LEVEL, strict=True):
         for system in systems:
             points = [(lv, r["output_throughput"]) for lv in levels
                       if (r := _run(results, system, workload, lv))]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=system)
-        ax.set(title=title, xlabel="concurrent requests", ylabel="output tokens/s",
-               xticks=levels)
+        ax.set(title=WORKLOADS[workload], xlabel="concurrent requests",
+               ylabel="output tokens/s", xticks=levels)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()

@@ -74,3 +74,9 @@ def multi_turn(maker: TextMaker, conversations: int, turns: int, system_tokens: 
 def unique_prompts(maker: TextMaker, n: int, prompt_tokens: int) -> list[Conversation]:
     # A system message of their own too: a chat template's default one would be shared.
     return [Conversation(maker.text(16), [maker.text(prompt_tokens)], group=i) for i in range(n)]
+
+
+def many_streams(maker: TextMaker, n: int, prompt_tokens: int,
+                 question_tokens: int) -> list[Conversation]:
+    """n users of one app at once: the app's system prompt, a question of their own each."""
+    return shared_prefix(maker, 1, n, prompt_tokens, question_tokens)

@@ -69,20 +69,6 @@ def model_name(gateway: GatewayProcess) -> str:
     return gateway.model_name
 
 
-@pytest.fixture(scope="session", params=["default", "deterministic"])
-def mode(request) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="session")
-def mode_gateways(request, mode: str) -> tuple[GatewayProcess, GatewayProcess]:
-    """(cached, uncached) gateways of the mode under test."""
-    if mode == "default":
-        return (request.getfixturevalue("gateway"), request.getfixturevalue("uncached_gateway"))
-    return (request.getfixturevalue("deterministic_gateway"),
-            request.getfixturevalue("deterministic_uncached_gateway"))
-
-
 @pytest.fixture(scope="session")
 def local_model(model_path: Path):
     """The model loaded in the test process, for its tokenizer."""

@@ -146,7 +146,9 @@ def test_stop_answers_running_and_queued_requests(local_model, prompt):
                    for _ in range(3)]
         await asyncio.sleep(0.3)
         stopping = asyncio.get_running_loop().run_in_executor(None, engine.stop)
-        outputs = [[o async for o in h.outputs()] for h in handles]
+        outputs = []
+        for handle in handles:
+            outputs.append([o async for o in handle.outputs()])
         await stopping
         return outputs
 

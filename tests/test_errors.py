@@ -52,7 +52,7 @@ CASES = [
     (CHAT, chat(frobnicate=1), 400, "frobnicate", None),
     (CHAT, chat(logit_bias={"not-a-token": 1}), 400, "logit_bias", None),
     (CHAT, chat(model="no-such-model"), 404, "model", "model_not_found"),
-    (CHAT, chat(messages=[{"role": "user", "content": "word " * 2100}]), 400, "messages",
+    (CHAT, chat(messages=[{"role": "user", "content": "word " * 8300}]), 400, "messages",
      "context_length_exceeded"),
     (COMPLETIONS, {"model": "{model}"}, 400, "prompt", None),
     (COMPLETIONS, {"model": "{model}", "prompt": ["a", "b"]}, 400, "prompt", "unsupported"),

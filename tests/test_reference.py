@@ -1,10 +1,14 @@
 """Greedy outputs through the gateway equal llama-cpp-python's own with its default settings
-(F16 KV, flash attention off, n_batch 512), token for token, for a request run alone."""
+(F16 KV, flash attention off, n_batch 512), token for token, for a request run alone: computed,
+and again with its prompt taken from the prefix cache."""
 
 from __future__ import annotations
 
 import pytest
 from llama_cpp import Llama
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import DEFAULT_ARGS, openai_client
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -31,21 +35,34 @@ def reference(model_path) -> Llama:
     return Llama(str(model_path), n_ctx=4096, verbose=False)
 
 
+@pytest.fixture(scope="module")
+def solo_client(model_path):
+    """A cached gateway of this module's own, whose pool only requests run alone fill: blocks
+    computed beside other requests carry their batch's rounding (see README, Engine modes)."""
+    server = GatewayProcess(model_path, *DEFAULT_ARGS)
+    yield openai_client(server)
+    server.stop()
+
+
 @pytest.mark.parametrize("messages", CHATS)
-def test_chat_equals_llama_cpp_python(reference, client, model_name, messages):
+def test_chat_equals_llama_cpp_python(reference, solo_client, model_name, messages):
     reference.reset()  # a fresh call, not a continuation of the previous test's prompt
     expected = reference.create_chat_completion(messages=messages, max_tokens=40,
                                                 temperature=0.0)
-    got = client.chat.completions.create(model=model_name, messages=messages, max_tokens=40,
-                                         temperature=0)
-    assert got.choices[0].message.content == expected["choices"][0]["message"]["content"]
-    assert got.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
-    assert got.usage.completion_tokens == expected["usage"]["completion_tokens"]
-    assert got.choices[0].finish_reason == expected["choices"][0]["finish_reason"]
+    for attempt in ("computed", "cached"):
+        got = solo_client.chat.completions.create(model=model_name, messages=messages,
+                                                  max_tokens=40, temperature=0)
+        assert got.choices[0].message.content == expected["choices"][0]["message"]["content"], \
+            attempt
+        assert got.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+        assert got.usage.completion_tokens == expected["usage"]["completion_tokens"]
+        assert got.choices[0].finish_reason == expected["choices"][0]["finish_reason"]
+    assert got.usage.prompt_tokens_details.cached_tokens == got.usage.prompt_tokens - 2
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_completion_equals_llama_cpp_python(reference, client, model_name, prompt):
+def test_completion_equals_llama_cpp_python(reference, uncached_client, model_name, prompt):
+    client = uncached_client
     reference.reset()
     expected = reference.create_completion(prompt, max_tokens=24, temperature=0.0)
     got = client.completions.create(model=model_name, prompt=prompt, max_tokens=24,

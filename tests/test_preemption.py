@@ -1,0 +1,99 @@
+"""More concurrent demand than KV cells: the engine preempts the newest request (its blocks go to
+the pool, its cells are freed) and resumes it later. Every request completes, and each generated
+token is the greedy choice of llama-cpp-python run on the same tokens (within the rounding noise
+of F16 kernels batched differently)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+
+from gateway.engine import Engine, EngineConfig, GenerationRequest
+from gateway.llama import SamplerSettings
+from gateway.prefix_cache import CacheConfig
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+from tests.test_engine_failures import settled
+
+TOPICS = ["rivers", "mountains", "deserts", "forests", "oceans", "glaciers", "volcanoes",
+          "islands"]
+# Noise between two batchings of the same tokens with F16 KV: up to 0.5 in the logits here
+# (tests/test_kv_codec.py); a token that continued from corrupted KV would be far off.
+TOLERANCE = 1.0
+
+
+def _prompt(local_model, topic: str) -> list[int]:
+    text = f"Write a long, detailed essay about {topic}, their history and their future. "
+    return local_model.tokenize(text * 3, add_special=True, parse_special=False)
+
+
+@pytest.fixture(scope="module")
+def scorer(model_path):
+    return Llama(str(model_path), n_ctx=1024, logits_all=True, verbose=False)
+
+
+def assert_greedy(scorer: Llama, eog: np.ndarray, prompt: list[int], generated: tuple[int, ...]):
+    scorer.reset()
+    scorer.eval(prompt + list(generated))
+    logits = np.array(scorer.scores[len(prompt) - 1: len(prompt) - 1 + len(generated)])
+    logits[:, eog] = -np.inf  # ignore_eos suppressed them in the engine too
+    chosen = logits[np.arange(len(generated)), list(generated)]
+    gaps = logits.max(axis=1) - chosen
+    assert gaps.max() <= TOLERANCE, f"token {int(gaps.argmax())} is {gaps.max():.2f} off greedy"
+    assert (gaps == 0).mean() >= 0.9
+
+
+def test_more_demand_than_cells_completes_and_stays_greedy(local_model, scorer):
+    # 8 requests of ~50 prompt + 100 generated tokens want ~1,200 cells; the context has 512.
+    engine = Engine(local_model, EngineConfig(parallel=8, ctx_size=512, batch_tokens=128,
+                                              cache=CacheConfig(budget_mb=64, block_size=16)))
+    engine.start()
+    prompts = [_prompt(local_model, topic) for topic in TOPICS]
+
+    async def generate(prompt):
+        handle = engine.submit(GenerationRequest(prompt, max_tokens=100, ignore_eos=True,
+                                                 sampler=SamplerSettings(temperature=0.0)))
+        return [output async for output in handle.outputs()][-1]
+
+    async def all_at_once():
+        return await asyncio.gather(*(generate(p) for p in prompts))
+
+    try:
+        finals = asyncio.run(all_at_once())
+        snap = settled(engine)
+        assert snap.preemptions > 0
+        assert all(f.error is None and f.finish_reason == "length" for f in finals)
+        assert all(len(f.generated) == 100 for f in finals)
+        for prompt, final in zip(prompts, finals, strict=True):
+            assert_greedy(scorer, local_model.eog_tokens, prompt, final.generated)
+        pool = engine.cache.pool
+        assert engine.cells.used == 0 and snap.cells_used == 0
+        assert (pool.refcounts[pool.refcounts > 0] == 1).all()  # no preempted hold left
+    finally:
+        engine.stop()
+
+
+def test_preemption_through_the_server(model_path, model_name):
+    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "512")
+    client = openai_client(server)
+
+    def ask(topic):
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=100, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": f"Write a long essay about {topic}."}])
+        return r.choices[0].finish_reason, r.usage.completion_tokens
+
+    try:
+        with ThreadPoolExecutor(len(TOPICS)) as pool:
+            results = list(pool.map(ask, TOPICS))
+        assert results == [("length", 100)] * len(TOPICS)
+        metrics = server.wait_idle()
+        assert metrics["prefixgate_num_preemptions_total"] > 0
+        assert metrics["prefixgate_kv_cells_used"] == 0
+        assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+    finally:
+        server.stop()
