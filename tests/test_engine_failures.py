@@ -155,3 +155,47 @@ def test_stop_answers_running_and_queued_requests(local_model, prompt):
     outputs = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert all(o[-1].error and o[-1].unavailable for o in outputs)
     assert engine.ctx.ptr is None  # freed only after the thread left llama.cpp
+
+
+def test_loaded_blocks_are_not_held_while_the_request_runs(engine, prompt):
+    """Once copied into the context a request's cached blocks are the tree's alone again: a
+    long generation must not pin them against eviction."""
+    run(engine, prompt)
+
+    async def while_running():
+        handle = engine.submit(GenerationRequest(prompt + [200, 201], max_tokens=40,
+                                                 sampler=GREEDY))
+        outputs = handle.outputs()
+        await outputs.__anext__()  # generating now, after loading the cached prompt
+        held = engine.snapshot.pool_blocks_held
+        return held, [o async for o in outputs][-1]
+
+    held, last = asyncio.run(while_running())
+    assert last.usage.cached_tokens > 0 and held == 0
+
+
+def test_an_uncached_request_is_counted_once(local_model, prompt):
+    # A pool of one block cannot hold a prompt of several: the request runs uncached.
+    engine = Engine(local_model, EngineConfig(parallel=1, ctx_size=1024, batch_tokens=64,
+                                              cache=CacheConfig(budget_mb=1, block_size=16)))
+    engine.start()
+    try:
+        run(engine, prompt)
+        assert settled(engine).cache.uncached_requests == 1
+    finally:
+        engine.stop()
+
+
+def test_waiting_counts_requests_not_wake_up_markers(engine, prompt):
+    async def scenario():
+        handle = engine.submit(GenerationRequest(prompt, max_tokens=30, sampler=GREEDY))
+        outputs = handle.outputs()
+        await outputs.__anext__()
+        for _ in range(5):
+            engine.wake()
+        await asyncio.sleep(0.2)
+        waiting = engine.snapshot.waiting
+        [o async for o in outputs]
+        return waiting
+
+    assert asyncio.run(scenario()) == 0
