@@ -24,34 +24,33 @@ def model_path() -> Path:
     return default_model_path()
 
 
+def serve(model_path: Path, *args: str):
+    """A gateway for a fixture's lifetime."""
+    server = GatewayProcess(model_path, *args)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def gateway(model_path: Path):
     """One real gateway on the default model, shared by the HTTP tests."""
-    server = GatewayProcess(model_path, *DEFAULT_ARGS)
-    yield server
-    server.stop()
+    yield from serve(model_path, *DEFAULT_ARGS)
 
 
 @pytest.fixture(scope="session")
 def uncached_gateway(model_path: Path):
     """The same gateway with the prefix cache off: the reference for cached outputs."""
-    server = GatewayProcess(model_path, *DEFAULT_ARGS, "--no-prefix-cache")
-    yield server
-    server.stop()
+    yield from serve(model_path, *DEFAULT_ARGS, "--no-prefix-cache")
 
 
 @pytest.fixture(scope="session")
 def deterministic_gateway(model_path: Path):
-    server = GatewayProcess(model_path, *DETERMINISTIC_ARGS)
-    yield server
-    server.stop()
+    yield from serve(model_path, *DETERMINISTIC_ARGS)
 
 
 @pytest.fixture(scope="session")
 def deterministic_uncached_gateway(model_path: Path):
-    server = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--no-prefix-cache")
-    yield server
-    server.stop()
+    yield from serve(model_path, *DETERMINISTIC_ARGS, "--no-prefix-cache")
 
 
 @pytest.fixture(scope="session")
