@@ -78,7 +78,7 @@ class SequenceState:
     first_pos: int
     cell_of: np.ndarray  # cell index of position first_pos + i
     k: list[np.ndarray]  # per layer: (n_cells, row bytes) uint8
-    v: list[np.ndarray]  # the same, or (n_cells, n_embd, element bytes) when V is transposed
+    v: list[np.ndarray]  # the same, or (n_embd, n_cells) of whole elements when V is transposed
 
     @classmethod
     def parse(cls, blob: bytes | memoryview | np.ndarray, layout: KVLayout | None
@@ -122,10 +122,17 @@ class SequenceState:
     def write_block(self, block: np.ndarray, start: int, end: int) -> None:
         """Copy the cells of positions [start, end) into a pool block."""
         n = end - start
-        cells = self.cell_of[start - self.first_pos: end - self.first_pos]
+        cells = _cell_index(self.cell_of[start - self.first_pos: end - self.first_pos])
         _BLOCK_HEADER.pack_into(block, 0, n, start)
-        for rows, dest in zip(self.k + self.v, _block_rows(block, self.layout, n), strict=True):
-            np.take(rows, cells, axis=0, out=dest.reshape((n,) + rows.shape[1:]))
+        dests = _block_rows(block, self.layout, n)
+        n_layer = self.layout.n_layer
+        for rows, dest in zip(self.k, dests[:n_layer], strict=True):
+            dest[:] = rows[cells]
+        for rows, dest in zip(self.v, dests[n_layer:], strict=True):
+            if self.layout.v_trans:  # (n_embd, cells) of whole elements: gather along cells
+                dest.view(rows.dtype)[:] = rows[:, cells].T
+            else:
+                dest[:] = rows[cells]
 
 
 def block_tokens(block: np.ndarray) -> tuple[int, int]:
@@ -174,17 +181,17 @@ class SequenceAssembler:
                     offset += rows.size
             else:  # transposed V: one row per embedding dimension, one element per cell
                 element = layout.v_element_bytes[i]
+                dtype = _element_dtype(element)
                 n_embd = layout.v_row_bytes[i] // element
                 struct.pack_into("<iII", out, offset, layout.v_types[i], element, n_embd)
                 offset += 12
-                dest = out[offset: offset + n_embd * total * element].reshape(n_embd, total,
-                                                                               element)
+                size = n_embd * total * element
+                dest = out[offset: offset + size].view(dtype).reshape(n_embd, total)
                 cell = 0
                 for view, (_, n) in zip(views, blocks, strict=True):
-                    dest[:, cell: cell + n] = view[layer].reshape(n, n_embd, element
-                                                                  ).transpose(1, 0, 2)
+                    dest[:, cell: cell + n] = view[layer].view(dtype).T
                     cell += n
-                offset += dest.size
+                offset += size
         out[offset:] = 0  # the empty streams' cell counts
         return out
 
@@ -208,19 +215,31 @@ def _read_rows(buf: np.ndarray, offset: int, n_layer: int, count: int):
 
 
 def _read_transposed(buf: np.ndarray, offset: int, n_layer: int, count: int):
-    """Transposed V as cell-major (count, n_embd, element) views, without copying."""
+    """Transposed V as (n_embd, count) views of whole elements, without copying."""
     arrays, types, rows, elements = [], [], [], []
     for _ in range(n_layer):
         type_id, element, n_embd = struct.unpack_from("<iII", buf, offset)
         offset += 12
         size = n_embd * count * element
-        by_dim = buf[offset: offset + size].reshape(n_embd, count, element)
-        arrays.append(by_dim.transpose(1, 0, 2))
+        arrays.append(buf[offset: offset + size].view(_element_dtype(element))
+                      .reshape(n_embd, count))
         offset += size
         types.append(type_id)
         rows.append(n_embd * element)
         elements.append(element)
     return arrays, tuple(types), tuple(rows), tuple(elements), offset
+
+
+def _element_dtype(element: int) -> np.dtype:
+    """One KV element as one numpy item, so that gathers move elements, not bytes."""
+    return np.dtype({1: "u1", 2: "<u2", 4: "<u4"}.get(element, f"V{element}"))
+
+
+def _cell_index(cells: np.ndarray) -> slice | np.ndarray:
+    """A slice when the cells are consecutive (the common case): a view beats a gather."""
+    if len(cells) and cells[-1] - cells[0] == len(cells) - 1 and np.all(np.diff(cells) == 1):
+        return slice(int(cells[0]), int(cells[-1]) + 1)
+    return cells
 
 
 def _block_rows(block: np.ndarray, layout: KVLayout, n: int) -> list[np.ndarray]:

@@ -50,9 +50,11 @@ def to_blocks(state: SequenceState, pool: BlockPool, end: int) -> list[tuple[np.
 
 
 def rows_by_position(state: SequenceState) -> list[np.ndarray]:
-    """Every layer's K and V rows, in position order."""
-    return [np.ascontiguousarray(rows[state.cell_of]).reshape(len(state.cell_of), -1)
-            for rows in state.k + state.v]
+    """Every layer's K and V rows, in position order, as bytes per cell."""
+    v = [rows[:, state.cell_of].T for rows in state.v] if state.layout.v_trans \
+        else [rows[state.cell_of] for rows in state.v]
+    return [np.ascontiguousarray(rows).view(np.uint8).reshape(len(state.cell_of), -1)
+            for rows in [rows[state.cell_of] for rows in state.k] + v]
 
 
 def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys):
