@@ -401,7 +401,7 @@ class Engine:
     def _live_prefix(self, tokens: np.ndarray) -> tuple[_Sequence | None, int]:
         """The running sequence holding the longest computed prefix of `tokens`."""
         best, best_len = None, 0
-        if not self.unified:  # streams do not share cells
+        if not self.unified or not self.cache:  # streams share no cells; no cache, no reuse
             return best, best_len
         for other in self._running:
             n = _common_prefix(tokens, other.kv_tokens())

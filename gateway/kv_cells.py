@@ -39,6 +39,8 @@ class CellLedger:
 
     def add(self, seq: int, n: int) -> None:
         """The sequence computed or loaded n new cells after its last one."""
+        if n <= 0:
+            return
         runs = self._runs.setdefault(seq, [])
         if runs and runs[-1].owner == seq and runs[-1].held[seq] == runs[-1].size:
             run = runs[-1]

@@ -91,9 +91,12 @@ class PrefixCache:
                 self.ctx.load_sequence_state(seq_id, self._assembler.assemble(blocks, seq_id))
             else:
                 scratch = self.scratch_seq
-                self.ctx.load_sequence_state(scratch, self._assembler.assemble(blocks, scratch))
-                self.ctx.share(scratch, seq_id, have, match.n_tokens)
-                self.ctx.forget(scratch)
+                try:
+                    self.ctx.load_sequence_state(scratch,
+                                                 self._assembler.assemble(blocks, scratch))
+                    self.ctx.share(scratch, seq_id, have, match.n_tokens)
+                finally:
+                    self.ctx.forget(scratch)
             self.stats.loads += 1
             self.stats.load_seconds += time.perf_counter() - start
             return match.n_tokens
