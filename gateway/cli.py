@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-type", choices=sorted(KV_TYPES), default=None,
                    help="KV cache type: f16 (default) or q8_0 (half the memory, changes "
                         "outputs slightly)")
+    p.add_argument("--flash-attn", action="store_true",
+                   help="flash attention (llama-server's default): faster prefill and batches, "
+                        "outputs as llama-cpp-python's with flash_attn=True, not its default")
     p.add_argument("--deterministic", action="store_true",
                    help="greedy output independent of batching and the cache: Q8_0 KV in one "
                         "stream per sequence, no cell sharing between sequences")
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         model_name=args.model_name or model_path.stem,
         engine=EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
                             batch_tokens=args.batch_tokens, threads=args.threads,
-                            kv_type=args.kv_type, deterministic=args.deterministic,
+                            kv_type=args.kv_type, flash_attn=args.flash_attn,
+                            deterministic=args.deterministic,
                             cache=CacheConfig(enabled=not args.no_prefix_cache,
                                               budget_mb=args.cache_mb,
                                               block_size=args.block_size)),

@@ -57,6 +57,7 @@ class EngineConfig:
     batch_tokens: int = 512
     threads: int = 2
     kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
+    flash_attn: bool = False  # default mode only: the deterministic mode always uses it
     deterministic: bool = False
     cache: CacheConfig = CacheConfig()
 
@@ -72,7 +73,8 @@ class EngineConfig:
         # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
         return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
                             n_batch=self.batch_tokens, n_threads=self.threads,
-                            kv_type=self.kv_type or "f16", flash_attn=False, unified=True)
+                            kv_type=self.kv_type or "f16", flash_attn=self.flash_attn,
+                            unified=True)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,7 @@ class ContextShape:
     kv_type: str = "f16"
     flash_attn: bool = False
     unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
+    n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
 
 
 class Context:
@@ -151,7 +152,7 @@ class Context:
         params = lc.llama_context_default_params()
         params.n_ctx = shape.n_ctx
         params.n_batch = shape.n_batch
-        params.n_ubatch = shape.n_batch
+        params.n_ubatch = shape.n_ubatch or shape.n_batch
         params.n_seq_max = shape.n_seq_max
         params.n_threads = shape.n_threads
         params.n_threads_batch = shape.n_threads

@@ -17,14 +17,14 @@ BLOCK = 16
 SCRATCH = 3
 
 
-def _shape(deterministic: bool):
-    return EngineConfig(parallel=3, ctx_size=3 * 512, batch_tokens=256,
-                        deterministic=deterministic).context_shape()
+MODES = {"default": {}, "default --flash-attn": {"flash_attn": True},
+         "deterministic": {"deterministic": True}}
 
 
-@pytest.fixture(scope="module", params=["default", "deterministic"])
+@pytest.fixture(scope="module", params=list(MODES))
 def ctx(request, local_model):
-    context = Context(local_model, _shape(request.param == "deterministic"))
+    context = Context(local_model, EngineConfig(parallel=3, ctx_size=3 * 512, batch_tokens=256,
+                                                **MODES[request.param]).context_shape())
     yield context
     context.close()
 
@@ -79,7 +79,7 @@ def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys)
         print(f"\nmax abs logit difference, restored prefix vs cold prefill "
               f"({'unified F16' if ctx.shape.unified else 'deterministic'}): {diff}")
     if ctx.shape.unified:
-        assert diff < 0.5
+        assert diff < 1.0  # rounding noise (docs/deterministic.md): up to ~0.98 here
         assert int(np.argmax(warm)) == int(np.argmax(cold))
     else:
         assert diff == 0.0
@@ -120,8 +120,8 @@ def test_layout_is_read_and_checked(ctx, local_model):
     ctx.clear()
     layout = KVLayout.from_sequence_state(blob)
     assert layout.n_layer == 30
-    if ctx.shape.unified:  # F16 rows of 192 values, V transposed
-        assert layout.n_stream == 1 and layout.v_trans
+    if ctx.shape.unified:  # F16 rows of 192 values, V transposed without flash attention
+        assert layout.n_stream == 1 and layout.v_trans == (not ctx.shape.flash_attn)
         assert layout.bytes_per_token == 2 * 30 * 192 * 2
     else:  # Q8_0 rows of 192 values: 6 blocks of 34 bytes
         assert layout.n_stream == 3 and not layout.v_trans
