@@ -66,7 +66,7 @@ class Candidate:
     kv_type: str
     flash_attn: bool
     unified: bool
-    n_ubatch: int | None = None  # None: n_ubatch = n_batch, as gateway.llama.Context sets it
+    n_ubatch: int | None = None  # None: n_batch, as in every engine mode
     pad: bool = False  # a lone token gets a dummy token beside it (see Runner._pad_lone_tokens)
 
 
