@@ -87,7 +87,7 @@ class PrefixCache:
             start = time.perf_counter()
             first = have // self.block_size  # blocks are block-aligned: load from the one
             blocks = [(self.pool.block(slot), n) for slot, n in match.blocks()[first:]]
-            if have == 0 and self.scratch_seq is None:
+            if have == 0:  # nothing to keep: load straight into the (empty) sequence
                 self.ctx.load_sequence_state(seq_id, self._assembler.assemble(blocks, seq_id))
             else:
                 scratch = self.scratch_seq
