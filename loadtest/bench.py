@@ -349,7 +349,7 @@ def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> 
     eog_tokens = [int(t) for t in model.eog_tokens]
     at_levels = systems(settings, llama_server, eog_tokens, level_layout(settings))
     try:
-        for name in names:
+        for name in names if settings.concurrency else []:
             system = at_levels[name]
             record = results["systems"][name] = {"kv_cells": system.kv_cells}
             with serving(system, out, record) as server:
@@ -395,7 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8, 16],
+                   help="concurrency levels of the per-level workloads (none: skip them and "
+                        "the prefill measurement)")
     p.add_argument("--streams", type=int, nargs="*", default=[64, 128],
                    help="streams at once of the many-streams workload (none: skip it)")
     p.add_argument("--no-streams", action="store_true", help="skip the many-streams workload")
