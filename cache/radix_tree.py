@@ -29,7 +29,9 @@ import xxhash
 
 from cache.block_pool import BlockPool
 
-BlockWriter = Callable[[np.ndarray, int, int], None]  # (block, start, end) token indices
+# Given the token range [start, end) of a block the tree lacks, returns a slot holding its KV
+# with one reference, which the tree takes over, or None when there is none.
+BlockFiller = Callable[[int, int], int | None]
 
 
 @dataclass(eq=False)
@@ -100,8 +102,8 @@ class RadixTree:
             node = child
         return path, n
 
-    def insert(self, tokens: np.ndarray, write: BlockWriter) -> tuple[Match, bool]:
-        """Store every block of `tokens` the tree lacks, `write` filling each new block. Returns
+    def insert(self, tokens: np.ndarray, fill: BlockFiller) -> tuple[Match, bool]:
+        """Store every block of `tokens` the tree lacks, `fill` providing each one. Returns
         the path, retained for the caller, and whether all of it fitted in the pool. The path's
         last block may hold more than `tokens`; the match covers only what was asked for."""
         node, path, n, complete = self.root, [], 0, True
@@ -110,7 +112,7 @@ class RadixTree:
                 chunk = tokens[start: start + self.block_size]
                 child = self._child(node, chunk) or self._longer_copy(node, chunk)
                 if child is None:
-                    child = self._new_node(node, chunk, start, write)
+                    child = self._new_node(node, chunk, start, fill)
                     if child is None:
                         complete = False
                         break
@@ -119,7 +121,7 @@ class RadixTree:
                 path.append(child)  # retained as we go, so making room never evicts the path
                 n += len(chunk)
                 node = child
-        except BaseException:  # a failed write: the caller gets nothing to release
+        except BaseException:  # a failed fill: the caller gets nothing to release
             self.release(Match(path, n))
             raise
         self._touch(path)
@@ -134,18 +136,13 @@ class RadixTree:
         match.nodes = []
 
     def _new_node(self, parent: Node, chunk: np.ndarray, start: int,
-                  write: BlockWriter) -> Node | None:
+                  fill: BlockFiller) -> Node | None:
         key = self._key(parent, chunk)
         if key in self._index:  # a hash collision: never let it alias another prefix
             return None
-        slot = self._allocate()
+        slot = fill(start, start + len(chunk))
         if slot is None:
             return None
-        try:
-            write(self.pool.block(slot), start, start + len(chunk))
-        except BaseException:
-            self.pool.release(slot)
-            raise
         node = Node(chunk.copy(), key, slot, parent)
         self.pool.retain(slot)  # one reference for the tree, one for the inserting caller
         parent.children.setdefault(int(chunk[0]), []).append(node)
@@ -162,7 +159,8 @@ class RadixTree:
                     and np.array_equal(sibling.tokens, node.tokens[:n])):
                 self._remove(sibling)
 
-    def _allocate(self) -> int | None:
+    def allocate(self) -> int | None:
+        """A free slot with one reference, evicting least recently used blocks to make room."""
         slot = self.pool.allocate()
         while slot is None and self._evict_one():
             slot = self.pool.allocate()

@@ -12,6 +12,7 @@ from pathlib import Path
 from gateway.engine import EngineConfig
 from gateway.llama import KV_TYPES
 from gateway.prefix_cache import CacheConfig
+from gateway.router import POLICIES, RoutingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="greedy output independent of batching and the cache: Q8_0 KV in one "
                         "stream per sequence, no cell sharing between sequences")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of each worker's llama.cpp context")
+    p.add_argument("--workers", type=int, default=1,
+                   help="engine worker processes, each with its own context of --ctx-size "
+                        "cells, all sharing one block pool")
+    p.add_argument("--shared-memory", type=Path, default=None,
+                   help="the block pool's shared-memory file (default: a unique name under "
+                        "/dev/shm); created owner-only, removed at exit")
+    p.add_argument("--routing", choices=POLICIES, default=RoutingConfig.policy,
+                   help="cache-aware: the worker with the fewest blocks to compute plus blocks "
+                        "in flight; round-robin: each worker in turn")
+    p.add_argument("--balance-abs-threshold", type=int, default=RoutingConfig.balance_abs,
+                   help="route to the idlest worker when the busiest has this many more "
+                        "requests...")
+    p.add_argument("--balance-rel-threshold", type=float, default=RoutingConfig.balance_rel,
+                   help="...and this many times as many")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (the baseline for benchmarks)")
     p.add_argument("--cache-mb", type=int, default=CacheConfig.budget_mb,
@@ -60,25 +78,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.deterministic and args.kv_type not in (None, "q8_0"):
         parser.error("--deterministic keeps its guarantee with Q8_0 KV only")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
     from gateway.model_store import default_model_path
     from gateway.server import ServerConfig, serve
+    from gateway.workers import WorkersConfig
 
     model_path = Path(args.model) if args.model else default_model_path()
+    engine = EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
+                          batch_tokens=args.batch_tokens, threads=args.threads,
+                          kv_type=args.kv_type, flash_attn=args.flash_attn,
+                          deterministic=args.deterministic,
+                          cache=CacheConfig(enabled=not args.no_prefix_cache,
+                                            budget_mb=args.cache_mb, block_size=args.block_size))
     config = ServerConfig(
-        model_path=str(model_path),
         model_name=args.model_name or model_path.stem,
-        engine=EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
-                            batch_tokens=args.batch_tokens, threads=args.threads,
-                            kv_type=args.kv_type, flash_attn=args.flash_attn,
-                            deterministic=args.deterministic,
-                            cache=CacheConfig(enabled=not args.no_prefix_cache,
-                                              budget_mb=args.cache_mb,
-                                              block_size=args.block_size)),
+        workers=WorkersConfig(
+            model_path=str(model_path), engine=engine, n_workers=args.workers,
+            arena_path=args.shared_memory,
+            routing=RoutingConfig(args.routing, args.balance_abs_threshold,
+                                  args.balance_rel_threshold),
+            log_level=args.log_level),
         host=args.host,
         port=args.port,
+        drain_seconds=args.drain_seconds,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))

@@ -2,8 +2,8 @@
 
 One engine thread owns the context. Each step it admits waiting requests into free sequences,
 decodes one token for every generating sequence and prompt chunks after them, all in a single
-llama_decode call, and samples. Outputs cross to the asyncio side through
-`loop.call_soon_threadsafe`; the asyncio side never waits on llama.cpp.
+llama_decode call, and samples. Outputs go to each request's sink (in a worker process, an
+outbox sent once per step); nothing outside the engine thread ever waits on llama.cpp.
 
 Two modes (see README, "Engine modes"):
 - default: F16 KV, one unified pool of cells for all sequences. A request whose prefix a live
@@ -16,21 +16,20 @@ Two modes (see README, "Engine modes"):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from cache.radix_tree import Match
+from cache.arena import BlockArena
 from gateway.kv_cells import CellLedger
 from gateway.llama import (
     Batch,
@@ -40,9 +39,9 @@ from gateway.llama import (
     KVCacheFull,
     Model,
     Sampler,
-    SamplerSettings,
 )
-from gateway.prefix_cache import CacheConfig, CacheStats, PrefixCache
+from gateway.messages import EngineSnapshot, GenerationRequest, Output, Usage
+from gateway.prefix_cache import BlockIndex, CacheConfig, PrefixCache, cacheable_layout
 from gateway.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -77,89 +76,17 @@ class EngineConfig:
                             unified=True)
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_tokens: list[int]
-    max_tokens: int
-    sampler: SamplerSettings = SamplerSettings()
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-    @functools.cached_property
-    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """logit_bias as (token ids, biases), built once rather than at every step."""
-        return (np.fromiter(self.logit_bias.keys(), dtype=np.int64),
-                np.fromiter(self.logit_bias.values(), dtype=np.float32))
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Output:
-    """One engine step's result for a request: new text, and on the last one why it ended."""
-
-    text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | None while generating
-    usage: Usage | None = None
-    error: str | None = None
-    unavailable: bool = False  # the engine stopped or died: a 503, not a 500
-    generated: tuple[int, ...] = ()  # on the last output: every generated token id
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine thread publishes after every step, for readers on other threads."""
-
-    running: int = 0
-    waiting: int = 0
-    cells_used: int = 0
-    cells_total: int = 0
-    preemptions: int = 0
-    shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
-    cache: CacheStats | None = None
-    pool_blocks_used: int = 0
-    pool_blocks_free: int = 0
-    pool_blocks_held: int = 0
-    evictions: int = 0
-
-
 class EngineUnavailable(RuntimeError):
     pass
 
 
-class GenerationHandle:
-    """The asyncio side of one request: iterate `outputs()`, call `cancel()` to abandon it."""
+class OutputSink(Protocol):
+    """Where a request's outputs go: an asyncio queue in-process, a worker's outbox otherwise.
+    `deliver` is called on the engine thread; `cancelled` is set by whoever abandons it."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[Output] = asyncio.Queue()
-        self.cancelled = False
-        self.finished = False
+    cancelled: bool
 
-    def deliver(self, output: Output) -> None:
-        """Called from the engine thread."""
-        # A closed loop (RuntimeError) means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-
-    async def outputs(self) -> AsyncIterator[Output]:
-        while not self.finished:
-            output = await self._queue.get()
-            self.finished = output.finish_reason is not None or output.error is not None
-            yield output
-
-    def cancel(self) -> None:
-        if not self.finished and not self.cancelled:
-            self.cancelled = True
-            self._engine.wake()
+    def deliver(self, output: Output) -> None: ...
 
 
 @dataclass(eq=False)
@@ -167,16 +94,17 @@ class _Sequence:
     """Engine-side state of one request, waiting, running or preempted."""
 
     request: GenerationRequest
-    handle: GenerationHandle
+    handle: OutputSink
     prompt: np.ndarray  # the prompt tokens, for vectorised prefix comparisons
     tokens: list[int]  # prompt, then generated; the last one's KV is computed at the next step
+    pool_hint: int = 0  # prompt tokens the pool held when the request arrived
     slot: int = -1
     admitted: int = 0  # admission order: preemption takes the newest
     n_past: int = 0  # positions whose KV the sequence holds
     cached: int = 0  # prompt tokens taken from the pool or a live sequence, not computed
     sampler: Sampler | None = None
     text: TextStream | None = None
-    holds: list[Match] = field(default_factory=list)  # blocks kept for resuming after preemption
+    holds: list[int] = field(default_factory=list)  # leases kept for resuming after preemption
 
     @property
     def n_generated(self) -> int:
@@ -195,7 +123,10 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig) -> None:
+    """`on_publish` receives the snapshot after every step, on the engine thread."""
+
+    def __init__(self, model: Model, config: EngineConfig,
+                 on_publish: Callable[[EngineSnapshot], None] | None = None) -> None:
         if config.batch_tokens < config.parallel:
             raise ValueError("batch_tokens must be at least parallel: every running sequence "
                              "decodes one token per step")
@@ -209,9 +140,10 @@ class Engine:
         self.ctx = Context(model, shape)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
-        self.cache = PrefixCache.for_context(model, self.ctx, config.cache,
-                                             scratch_seq=config.parallel if self.unified
-                                             else None)
+        # What a block of this context's KV looks like; None: nothing is cached.
+        self.kv_layout = cacheable_layout(model, self.ctx, config.cache)
+        self.cache: PrefixCache | None = None
+        self._on_publish = on_publish
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -226,20 +158,24 @@ class Engine:
         self.snapshot = EngineSnapshot(cells_total=shape.n_ctx)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    # ----- asyncio side -----------------------------------------------------------------------
+    # ----- other threads ----------------------------------------------------------------------
+
+    def use_cache(self, arena: BlockArena, index: BlockIndex) -> None:
+        """Before start(): cache blocks in `arena`, at the slots `index` assigns."""
+        if self.kv_layout is not None:
+            self.cache = PrefixCache(self.ctx, self.kv_layout, arena, index,
+                                     scratch_seq=self.config.parallel if self.unified else None)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerationRequest) -> GenerationHandle:
-        handle = GenerationHandle(self, asyncio.get_running_loop())
-        seq = _Sequence(request, handle, np.asarray(request.prompt_tokens, dtype=np.int32),
-                        list(request.prompt_tokens))
+    def submit(self, request: GenerationRequest, sink: OutputSink, pool_hint: int = 0) -> None:
+        seq = _Sequence(request, sink, np.asarray(request.prompt_tokens, dtype=np.int32),
+                        list(request.prompt_tokens), pool_hint=pool_hint)
         with self._lock:
             if self.failure or self._stopping:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
             self._inbox.put(seq)
-        return handle
 
     def wake(self) -> None:
         self._inbox.put(None)
@@ -252,8 +188,6 @@ class Engine:
         if self._thread.is_alive():  # still inside llama.cpp: freeing its context would crash
             log.error("the engine thread did not stop within %.0f s; leaving its context", timeout)
             return
-        if self.cache:
-            self.cache.close()
         self._batch.close()
         self.ctx.close()
 
@@ -343,7 +277,7 @@ class Engine:
                 return
             target = self._reusable(seq)
             donor, live = self._live_prefix(target)
-            if self._prefix_in_flight(target, live):
+            if self._prefix_in_flight(target, live, seq.pool_hint):
                 continue
             if self.unified and self._running and not self._cells_suffice(seq, live):
                 return
@@ -411,17 +345,15 @@ class Engine:
                 best, best_len = other, n
         return best, best_len
 
-    def _prefix_in_flight(self, tokens: np.ndarray, live: int) -> bool:
+    def _prefix_in_flight(self, tokens: np.ndarray, live: int, pool_hint: int) -> bool:
         """True while a running request is prefilling at least a block more of `tokens` than a
-        live sequence or the pool can give now: waiting for it beats computing it twice."""
+        live sequence or the pool (as it was when the request arrived: asking the index again
+        for every waiting request at every step would cost a round trip each) can give."""
         if not self.cache:
             return False
         pending = max((_common_prefix(tokens, other.prompt[:-1]) for other in self._running
                        if other.n_generated == 0 and other.pending > 1), default=0)
-        block = self.cache.block_size
-        if pending - live < block:
-            return False
-        return pending - max(live, self.cache.cached_length(tokens[:pending])) >= block
+        return pending - max(live, min(pool_hint, pending)) >= self.cache.block_size
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -535,22 +467,19 @@ class Engine:
             self.ctx.clear()
 
     def _drop_holds(self, seq: _Sequence) -> None:
-        for match in seq.holds:
-            self.cache.release(match)
+        for lease_id in seq.holds:
+            self.cache.release(lease_id)
         seq.holds.clear()
 
     def _publish(self) -> None:
         cache = self.cache
-        pool = cache.pool if cache else None
         self.snapshot = EngineSnapshot(
             running=len(self._running), waiting=len(self._waiting),
             cells_used=self.cells.used, cells_total=self.cells.n_cells,
             preemptions=self._preemptions, shared_tokens=self._shared_tokens,
-            cache=dataclasses.replace(cache.stats) if cache else None,
-            pool_blocks_used=pool.n_used if pool else 0,
-            pool_blocks_free=pool.n_free if pool else 0,
-            pool_blocks_held=int((pool.refcounts > 1).sum()) if pool else 0,
-            evictions=cache.tree.evictions if cache else 0)
+            cache=dataclasses.replace(cache.stats) if cache else None, failure=self.failure)
+        if self._on_publish:
+            self._on_publish(self.snapshot)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

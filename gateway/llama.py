@@ -47,12 +47,19 @@ class KVCacheFull(DecodeError):
     """llama_decode found no free cells for the batch; the context is unchanged."""
 
 
-class Model:
-    """Weights and vocabulary. Read-only after loading, so tokenization may run on any thread."""
+def runtime_version() -> str:
+    """The llama-cpp-python release, which pins the llama.cpp build and its KV layout."""
+    return lc.__version__
 
-    def __init__(self, path: str) -> None:
+
+class Model:
+    """Weights and vocabulary. Read-only after loading, so tokenization may run on any thread.
+    With `vocab_only` the weights stay on disk: enough to tokenize and render chat templates."""
+
+    def __init__(self, path: str, vocab_only: bool = False) -> None:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.vocab_only = vocab_only
         self.path = path
         self.ptr = lc.llama_model_load_from_file(path.encode(), params)
         if not self.ptr:

@@ -15,10 +15,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.engine import Output
+from gateway.messages import Output
 
 if TYPE_CHECKING:
     from gateway.server import Gateway
+    from gateway.workers import WorkerView
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -75,76 +76,120 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    """Reads the snapshot the engine thread publishes after every step: the live state belongs
-    to that thread."""
+    """Reads the snapshots the workers publish after every step (their engines' state belongs
+    to their threads) and the cache index's counts. Unlabelled families are totals over the
+    workers; the `prefixgate_worker_*` families carry a `worker` label."""
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
 
     def collect(self):
-        engine = self._gateway.engine
-        if engine is None:
+        workers = self._gateway.workers
+        views = workers.views()
+        if not views:
             return
-        snap = engine.snapshot
+        snaps = [v.snapshot for v in views]
+
+        def total(name: str) -> int:
+            return sum(getattr(s, name) for s in snaps)
+
         yield GaugeMetricFamily("prefixgate_num_requests_running", "Requests holding a sequence",
-                                value=snap.running)
+                                value=total("running"))
         yield GaugeMetricFamily("prefixgate_num_requests_waiting",
                                 "Requests queued for a sequence, preempted ones included",
-                                value=snap.waiting)
+                                value=total("waiting"))
         yield GaugeMetricFamily("prefixgate_kv_cells_used",
-                                "KV cells of the context in use (cells shared by several "
-                                "sequences count once)", value=snap.cells_used)
-        yield GaugeMetricFamily("prefixgate_kv_cells_total", "KV cells of the context",
-                                value=snap.cells_total)
+                                "KV cells of the contexts in use (cells shared by several "
+                                "sequences count once)", value=total("cells_used"))
+        yield GaugeMetricFamily("prefixgate_kv_cells_total", "KV cells of the contexts",
+                                value=total("cells_total"))
         yield CounterMetricFamily("prefixgate_num_preemptions",
                                   "Requests paused because the KV cells ran out",
-                                  value=snap.preemptions)
+                                  value=total("preemptions"))
         yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
                                   "Prompt tokens taken from live sequences' cells (seq_cp)",
-                                  value=snap.shared_tokens)
-        stats = snap.cache
-        if stats is None:
+                                  value=total("shared_tokens"))
+        yield from _per_worker(views)
+        stats = [s.cache for s in snaps if s.cache is not None]
+        index = workers.index
+        if index is None:
             return
-        yield CounterMetricFamily("prefixgate_prefix_cache_queries",
-                                  "Prompt tokens looked up in the prefix cache",
-                                  value=stats.queried_tokens)
-        yield CounterMetricFamily("prefixgate_prefix_cache_hits",
-                                  "Prompt tokens loaded from the prefix cache",
-                                  value=stats.hit_tokens)
-        yield CounterMetricFamily("prefixgate_prefix_cache_loads",
-                                  "Requests that loaded cached blocks", value=stats.loads)
-        yield CounterMetricFamily("prefixgate_prefix_cache_load_seconds",
-                                  "Time spent loading cached blocks into sequences",
-                                  value=stats.load_seconds)
-        yield CounterMetricFamily("prefixgate_prefix_cache_stores",
-                                  "Stores of sequences' new blocks", value=stats.stores)
-        yield CounterMetricFamily("prefixgate_prefix_cache_store_seconds",
-                                  "Time spent cutting sequences into cached blocks",
-                                  value=stats.store_seconds)
-        yield CounterMetricFamily("prefixgate_prefix_cache_store_failures",
-                                  "Stores that failed: the request ran on uncached",
-                                  value=stats.store_failures)
+
+        def cache_total(name: str) -> float:
+            return sum(getattr(c, name) for c in stats)
+
+        for name, field, help_text in _CACHE_COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=cache_total(field))
+        snap = index.snapshot()
         yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
                                   "KV blocks evicted to make room", value=snap.evictions)
         yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
                                   "Requests whose blocks did not fit: every block was in use",
-                                  value=stats.uncached_requests)
-        block_size = engine.cache.pool.block_size
-        slot_bytes = engine.cache.pool.slot_bytes
-        n_slots = snap.pool_blocks_used + snap.pool_blocks_free
+                                  value=snap.uncached_requests)
+        slot_bytes = workers.arena.header.slot_bytes if workers.arena else 0
+        n_slots = snap.blocks_used + snap.blocks_free
         yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
-                                value=block_size)
+                                value=index.block_size)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
-                                value=snap.pool_blocks_used)
+                                value=snap.blocks_used)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",
-                                value=snap.pool_blocks_free)
+                                value=snap.blocks_free)
         yield GaugeMetricFamily("prefixgate_kv_pool_bytes_used", "Bytes of KV blocks in use",
-                                value=snap.pool_blocks_used * slot_bytes)
+                                value=snap.blocks_used * slot_bytes)
         yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
                                 value=n_slots * slot_bytes)
         yield GaugeMetricFamily("prefixgate_kv_pool_blocks_held",
                                 "Pool blocks referenced by requests, not only the tree",
-                                value=snap.pool_blocks_held)
+                                value=snap.blocks_held)
         yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
                                 "Fraction of pool blocks in use",
-                                value=snap.pool_blocks_used / n_slots)
+                                value=snap.blocks_used / n_slots)
+
+
+_CACHE_COUNTERS = (
+    ("prefixgate_prefix_cache_queries", "queried_tokens",
+     "Prompt tokens looked up in the prefix cache"),
+    ("prefixgate_prefix_cache_hits", "hit_tokens", "Prompt tokens loaded from the prefix cache"),
+    ("prefixgate_prefix_cache_loads", "loads", "Requests that loaded cached blocks"),
+    ("prefixgate_prefix_cache_load_seconds", "load_seconds",
+     "Time spent loading cached blocks into sequences"),
+    ("prefixgate_prefix_cache_stores", "stores", "Stores of sequences' new blocks"),
+    ("prefixgate_prefix_cache_store_seconds", "store_seconds",
+     "Time spent cutting sequences into cached blocks"),
+    ("prefixgate_prefix_cache_store_failures", "store_failures",
+     "Stores that failed: the request ran on uncached"),
+)
+
+
+def _per_worker(views: list[WorkerView]):
+    gauges = {
+        "running": GaugeMetricFamily("prefixgate_worker_requests_running",
+                                     "Requests holding a sequence, per worker", labels=["worker"]),
+        "waiting": GaugeMetricFamily("prefixgate_worker_requests_waiting",
+                                     "Requests queued for a sequence, per worker",
+                                     labels=["worker"]),
+        "cells_used": GaugeMetricFamily("prefixgate_worker_kv_cells_used",
+                                        "KV cells in use, per worker", labels=["worker"]),
+    }
+    up = GaugeMetricFamily("prefixgate_worker_up", "1 when the worker serves, 0 while it is "
+                           "starting or being replaced", labels=["worker"])
+    hits = CounterMetricFamily("prefixgate_worker_prefix_cache_hits",
+                               "Prompt tokens a worker loaded from the shared pool",
+                               labels=["worker"])
+    shared = CounterMetricFamily("prefixgate_worker_prefix_shared_tokens",
+                                 "Prompt tokens a worker took from its live sequences' cells",
+                                 labels=["worker"])
+    routed = CounterMetricFamily("prefixgate_routing_decisions",
+                                 "Requests routed to a worker, by the router's reason",
+                                 labels=["worker", "reason"])
+    for view in views:
+        worker, snap = str(view.worker_id), view.snapshot
+        for name, family in gauges.items():
+            family.add_metric([worker], getattr(snap, name))
+        up.add_metric([worker], 1 if view.state == "ready" else 0)
+        hits.add_metric([worker], snap.cache.hit_tokens if snap.cache else 0)
+        shared.add_metric([worker], snap.shared_tokens)
+        for reason, n in view.routed.items():
+            routed.add_metric([worker, reason], n)
+    yield from gauges.values()
+    yield from (up, hits, shared, routed)

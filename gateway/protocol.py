@@ -7,9 +7,9 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.engine import GenerationRequest
 from gateway.errors import APIError, invalid
 from gateway.llama import SamplerSettings
+from gateway.messages import GenerationRequest
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.engine import Usage
+from gateway.messages import Usage
 
 
 def usage_body(usage: Usage) -> dict:

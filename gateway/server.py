@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from gateway.engine import Engine, EngineConfig, EngineUnavailable, GenerationHandle, Output
+from gateway.engine import EngineUnavailable
 from gateway.errors import APIError, invalid
 from gateway.llama import Model
+from gateway.messages import Output
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from gateway.responses import ChatWriter, CompletionWriter, ResponseWriter
+from gateway.workers import GenerationHandle, Workers, WorkersConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +32,22 @@ MAX_BODY_BYTES = 16 << 20
 
 @dataclass
 class ServerConfig:
-    model_path: str
     model_name: str
-    engine: EngineConfig
+    workers: WorkersConfig
     host: str = "127.0.0.1"
     port: int = 8000
+    drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
 
 
 class Gateway:
-    """What the handlers share: the loaded model, its engine, and the metrics. The model loads on a
-    background thread so that /health can answer 503 meanwhile."""
+    """What the handlers share: the vocabulary (for prompts), the engine workers, and the
+    metrics. Workers start on a background thread so that /health can answer 503 meanwhile."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.model: Model | None = None
-        self.engine: Engine | None = None
+        self.model: Model | None = None  # vocabulary only: the weights live in the workers
         self.prompts: PromptBuilder | None = None
+        self.workers = Workers(config.workers)
         self.load_error: str | None = None
         self.metrics = Metrics(self)
         self._loaded = threading.Event()
@@ -54,27 +56,26 @@ class Gateway:
     def ready(self) -> bool:
         return self._loaded.is_set() and self.load_error is None
 
-    def load(self) -> None:
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            model = Model(self.config.model_path)
-            engine = Engine(model, self.config.engine)
-            self.prompts = PromptBuilder(model)
-            engine.start()
-            self.model, self.engine = model, engine
-            log.info("serving %s as %r: %d parallel sequences in %d KV cells (%s), requests of "
-                     "up to %d tokens", self.config.model_path, self.config.model_name,
-                     engine.config.parallel, engine.cells.n_cells,
-                     "deterministic" if engine.config.deterministic else "unified",
-                     engine.seq_len)
+            model_path = self.config.workers.model_path
+            self.model = Model(model_path, vocab_only=True)
+            self.prompts = PromptBuilder(self.model)
+            self.workers.start(loop)
+            engine = self.config.workers.engine
+            log.info("serving %s as %r: %d worker(s), each %d parallel sequences in %d KV cells "
+                     "(%s), requests of up to %d tokens", model_path, self.config.model_name,
+                     self.config.workers.n_workers, engine.parallel, engine.ctx_size,
+                     "deterministic" if engine.deterministic else "unified",
+                     self.workers.seq_len)
         except Exception as exc:
-            log.exception("loading the model failed")
+            log.exception("starting the engine workers failed")
             self.load_error = str(exc)
         finally:
             self._loaded.set()
 
     def close(self) -> None:
-        if self.engine:
-            self.engine.stop()
+        self.workers.stop()
         if self.model:
             self.model.close()
 
@@ -95,10 +96,12 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "error", "error": gateway.load_error}, status=500)
     if not gateway.ready:
         return web.json_response({"status": "loading"}, status=503)
-    if not gateway.engine.alive:
-        return web.json_response({"status": "error", "error": gateway.engine.failure
-                                  or "shutting down"}, status=503)
-    return web.json_response({"status": "ok"})
+    workers = gateway.workers.states()
+    n_ready = sum(w["state"] == "ready" for w in workers)
+    # Degraded: a worker is being replaced; the others serve, so the instance stays in rotation.
+    status = "ok" if n_ready == len(workers) else "degraded" if n_ready else "unavailable"
+    return web.json_response({"status": status, "workers": workers},
+                             status=503 if status == "unavailable" else 200)
 
 
 @routes.get("/metrics")
@@ -120,7 +123,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
     body = parse_request(ChatCompletionRequest, await request.read())
     gateway.require_model(body.model)
-    prompt_tokens = gateway.prompts.chat(body.messages)
+    # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
+    prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages)
     return await _generate(request, body, prompt_tokens, ChatWriter(body.model))
 
 
@@ -130,7 +134,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse_request(CompletionRequest, await request.read())
     gateway.require_model(body.model)
     try:
-        prompt_tokens = gateway.prompts.completion(body.single_prompt())
+        prompt_tokens = await asyncio.to_thread(gateway.prompts.completion,
+                                                body.single_prompt())
     except ValueError as exc:
         raise invalid(str(exc), "prompt") from None
     return await _generate(request, body, prompt_tokens, CompletionWriter(body.model))
@@ -139,10 +144,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt_tokens: list[int], writer: ResponseWriter) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
-    generation = body.to_generation(prompt_tokens, gateway.engine.seq_len,
+    generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
                                     gateway.model.n_vocab)
     try:
-        handle = gateway.engine.submit(generation)
+        handle = gateway.workers.submit(generation)
     except EngineUnavailable as exc:
         raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
                        ) from None
@@ -236,14 +241,21 @@ async def serve(config: ServerConfig) -> None:
     await web.TCPSite(runner, config.host, config.port).start()
     log.info("listening on http://%s:%d", config.host, config.port)
     loop = asyncio.get_running_loop()
-    loading = loop.run_in_executor(None, gateway.load)
+    loading = loop.run_in_executor(None, gateway.load, loop)
     stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV pool is unlinked
+    for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV arena is unlinked
         loop.add_signal_handler(sig, stopping.set)
     try:
-        await stopping.wait()
+        waiting = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait([loading, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if gateway.load_error:  # exit, so that a supervisor sees it and the user reads why
+            raise SystemExit(f"prefixgate could not start: {gateway.load_error}")
+        await waiting
+        log.info("stopping: %d requests in flight get up to %.0f s to finish",
+                 gateway.workers.n_in_flight, config.drain_seconds)
+        await gateway.workers.drain(config.drain_seconds)
     finally:
         await loading
+        await loop.run_in_executor(None, gateway.close)  # streams still open hear the 503
         await runner.cleanup()
-        gateway.close()
         log.info("stopped after %.0f s", time.monotonic() - gateway.metrics.started)

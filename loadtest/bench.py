@@ -71,6 +71,7 @@ class System:
     extra_body: dict = field(default_factory=dict)
     kv_cells: int = 0  # in all, as given on its command line
     missing: str | None = None  # why it cannot run here
+    cwd: Path = ROOT  # the checkout it runs from
 
 
 @dataclass
@@ -150,7 +151,8 @@ def systems(settings: Settings, llama_server: Path, eog_tokens: list[int],
 
 class RunningServer(ServerProcess):
     def __init__(self, system: System, log_dir: Path) -> None:
-        super().__init__(system.command, system.health_path, log_dir / f"{system.name}.log")
+        super().__init__(system.command, system.health_path, log_dir / f"{system.name}.log",
+                         cwd=system.cwd)
         self.peak_rss = 0
         try:
             with urllib.request.urlopen(self.base_url + "/v1/models", timeout=10) as r:

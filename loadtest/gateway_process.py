@@ -3,6 +3,7 @@ start it, and the systems the benchmarks compare it with."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -75,10 +76,23 @@ class GatewayProcess(ServerProcess):
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""
+        return {s.name: s.value for s in self._samples() if not s.labels}
+
+    def per_worker(self, name: str) -> dict[str, float]:
+        """Worker id -> value of a `prefixgate_worker_*` sample."""
+        return {s.labels["worker"]: s.value for s in self._samples() if s.name == name}
+
+    def _samples(self):
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
             text = r.read().decode()
-        return {s.name: s.value for family in text_string_to_metric_families(text)
-                for s in family.samples if not s.labels}
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
 
     def wait_idle(self, timeout: float = 30) -> dict[str, float]:
         """Waits until no request holds or waits for a sequence; returns the last metrics."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from gateway.prefix_cache import CacheConfig, PrefixCache
+from gateway.prefix_cache import CacheConfig, cacheable_layout
 
 
 def test_smollm2_kv_splits_into_position_blocks(local_model):
@@ -15,11 +15,9 @@ def test_smollm2_kv_splits_into_position_blocks(local_model):
 def test_sliding_window_or_recurrent_model_gets_no_cache(caplog):
     model = SimpleNamespace(has_independent_position_kv=False)
     with caplog.at_level(logging.WARNING):
-        assert PrefixCache.for_context(model, ctx=None, config=CacheConfig(),
-                                         scratch_seq=None) is None
+        assert cacheable_layout(model, ctx=None, config=CacheConfig()) is None
     assert "sliding-window or recurrent" in caplog.text
 
 
 def test_disabled_cache_is_none(local_model):
-    assert PrefixCache.for_context(local_model, ctx=None,
-                                   config=CacheConfig(enabled=False), scratch_seq=None) is None
+    assert cacheable_layout(local_model, ctx=None, config=CacheConfig(enabled=False)) is None

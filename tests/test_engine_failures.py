@@ -8,21 +8,22 @@ import time
 
 import pytest
 
-from gateway.engine import Engine, EngineConfig, EngineUnavailable, GenerationRequest
+from gateway.engine import EngineConfig, EngineUnavailable
 from gateway.llama import DecodeError, SamplerSettings
+from gateway.messages import GenerationRequest
 from gateway.prefix_cache import CacheConfig
+from tests.local_engine import LocalEngine
 
 GREEDY = SamplerSettings(temperature=0.0)
 
 
 @pytest.fixture
-def engine(local_model):
-    engine = Engine(local_model, EngineConfig(parallel=2, ctx_size=1024, batch_tokens=64,
-                                              threads=2,
-                                              cache=CacheConfig(budget_mb=32, block_size=16)))
-    engine.start()
-    yield engine
-    engine.stop()
+def local(local_model):
+    local = LocalEngine.start(local_model, EngineConfig(
+        parallel=2, ctx_size=1024, batch_tokens=64, threads=2,
+        cache=CacheConfig(budget_mb=32, block_size=16)))
+    yield local
+    local.stop()
 
 
 @pytest.fixture
@@ -31,36 +32,21 @@ def prompt(local_model) -> list[int]:
                                 add_special=False, parse_special=False)
 
 
-async def _collect(engine: Engine, tokens: list[int], max_tokens: int = 8):
-    handle = engine.submit(GenerationRequest(tokens, max_tokens=max_tokens, sampler=GREEDY))
+async def _collect(local: LocalEngine, tokens: list[int], max_tokens: int = 8):
+    handle = local.submit(GenerationRequest(tokens, max_tokens=max_tokens, sampler=GREEDY))
     return [output async for output in handle.outputs()]
 
 
-def run(engine: Engine, tokens: list[int], max_tokens: int = 8):
-    return asyncio.run(_collect(engine, tokens, max_tokens))
+def run(local: LocalEngine, tokens: list[int], max_tokens: int = 8):
+    return asyncio.run(_collect(local, tokens, max_tokens))
 
 
 def _text(outputs) -> str:
     return "".join(o.text for o in outputs)
 
 
-def settled(engine: Engine):
-    """The snapshot once the engine has published the step that answered the last request."""
-    deadline = time.monotonic() + 10
-    while (engine.snapshot.running or engine.snapshot.waiting) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)
-    return engine.snapshot
-
-
-def _assert_released(engine: Engine) -> None:
-    pool = engine.cache.pool
-    snap = settled(engine)
-    assert snap.running == 0 and snap.waiting == 0 and engine.cells.used == 0
-    assert (pool.refcounts[pool.refcounts > 0] == 1).all()  # only the tree's references
-
-
-def test_failed_decode_releases_every_reference(engine, prompt):
+def test_failed_decode_releases_every_reference(local, prompt):
+    engine = local.engine
     healthy_decode = engine.ctx.decode
     calls = 0
 
@@ -71,32 +57,34 @@ def test_failed_decode_releases_every_reference(engine, prompt):
             raise DecodeError("injected failure")
         healthy_decode(batch)
 
-    first = run(engine, prompt)
+    first = run(local, prompt)
     assert first[-1].finish_reason == "length"
     engine.ctx.decode = decode_failing_on_second_call
-    failed = run(engine, prompt + prompt[:20])  # loaded cached blocks before it fails
+    failed = run(local, prompt + prompt[:20])  # loaded cached blocks before it fails
     assert failed[-1].error and failed[-1].usage.cached_tokens > 0
     engine.ctx.decode = healthy_decode
-    assert _text(run(engine, prompt)) == _text(first)
-    assert engine.cache.pool.n_used > 0
-    _assert_released(engine)
+    assert _text(run(local, prompt)) == _text(first)
+    assert local.index.pool.n_used > 0
+    local.assert_released()
 
 
-def test_failed_store_only_skips_caching(engine, prompt):
+def test_failed_store_only_skips_caching(local, prompt):
     def failing_write(*_args):
         raise OSError("injected store failure")
 
-    engine.cache._serialise = failing_write
-    outputs = run(engine, prompt)
+    local.engine.cache._serialise = failing_write
+    outputs = run(local, prompt)
     assert outputs[-1].finish_reason == "length" and outputs[-1].error is None
-    _assert_released(engine)
-    assert engine.snapshot.cache.store_failures == 1
-    assert engine.alive
+    local.assert_released()
+    assert local.engine.snapshot.cache.store_failures == 1
+    assert local.index.pool.n_used == 0  # the plan's slots went back
+    assert local.engine.alive
 
 
-def test_admission_failure_answers_only_that_request(engine, prompt):
+def test_admission_failure_answers_only_that_request(local, prompt):
     """An exception while admitting one request fails it alone; requests waiting behind it (some
     deferred for an in-flight prefix) are all answered."""
+    engine = local.engine
     real_start = engine._start
     failed_once = False
 
@@ -110,42 +98,48 @@ def test_admission_failure_answers_only_that_request(engine, prompt):
     engine._start = start_failing_once
 
     async def burst():
-        return await asyncio.gather(*(_collect(engine, prompt + [100 + i]) for i in range(5)))
+        return await asyncio.gather(*(_collect(local, prompt + [100 + i]) for i in range(5)))
 
     results = asyncio.run(burst())
     assert sum(1 for r in results if r[-1].error) == 1
     assert sum(1 for r in results if r[-1].finish_reason == "length") == 4
-    _assert_released(engine)
+    local.assert_released()
 
 
-def test_dead_engine_answers_everyone_and_refuses_new_requests(engine, prompt):
+def test_dead_engine_answers_everyone_and_refuses_new_requests(local, prompt):
+    engine = local.engine
+
     def finish_raising(*_args):
         raise SystemExit("injected death")  # escapes the step's handler: the thread dies
 
     async def scenario():
-        first = engine.submit(GenerationRequest(prompt, max_tokens=50, sampler=GREEDY))
+        first = local.submit(GenerationRequest(prompt, max_tokens=50, sampler=GREEDY))
         await asyncio.sleep(0.05)
         engine._sample = finish_raising
         outputs = [o async for o in first.outputs()]
         with pytest.raises(EngineUnavailable):
-            engine.submit(GenerationRequest(prompt, max_tokens=4, sampler=GREEDY))
+            local.submit(GenerationRequest(prompt, max_tokens=4, sampler=GREEDY))
         return outputs
 
     outputs = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert outputs[-1].error and outputs[-1].unavailable
     assert not engine.alive and "injected death" in engine.failure
+    # Published after the answers, for a worker's gateway to learn why.
+    deadline = time.monotonic() + 5
+    while engine.snapshot.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "injected death" in engine.snapshot.failure
 
 
 def test_stop_answers_running_and_queued_requests(local_model, prompt):
-    engine = Engine(local_model, EngineConfig(parallel=1, ctx_size=1024, batch_tokens=64,
-                                              threads=2, cache=CacheConfig(enabled=False)))
-    engine.start()
+    local = LocalEngine.start(local_model, EngineConfig(
+        parallel=1, ctx_size=1024, batch_tokens=64, threads=2, cache=CacheConfig(enabled=False)))
 
     async def scenario():
-        handles = [engine.submit(GenerationRequest(prompt, max_tokens=200, sampler=GREEDY))
+        handles = [local.submit(GenerationRequest(prompt, max_tokens=200, sampler=GREEDY))
                    for _ in range(3)]
         await asyncio.sleep(0.3)
-        stopping = asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        stopping = asyncio.get_running_loop().run_in_executor(None, local.stop)
         outputs = []
         for handle in handles:
             outputs.append([o async for o in handle.outputs()])
@@ -154,20 +148,20 @@ def test_stop_answers_running_and_queued_requests(local_model, prompt):
 
     outputs = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert all(o[-1].error and o[-1].unavailable for o in outputs)
-    assert engine.ctx.ptr is None  # freed only after the thread left llama.cpp
+    assert local.engine.ctx.ptr is None  # freed only after the thread left llama.cpp
 
 
-def test_loaded_blocks_are_not_held_while_the_request_runs(engine, prompt):
+def test_loaded_blocks_are_not_held_while_the_request_runs(local, prompt):
     """Once copied into the context a request's cached blocks are the tree's alone again: a
     long generation must not pin them against eviction."""
-    run(engine, prompt)
+    run(local, prompt)
 
     async def while_running():
-        handle = engine.submit(GenerationRequest(prompt + [200, 201], max_tokens=40,
-                                                 sampler=GREEDY))
+        handle = local.submit(GenerationRequest(prompt + [200, 201], max_tokens=40,
+                                                sampler=GREEDY))
         outputs = handle.outputs()
         await outputs.__anext__()  # generating now, after loading the cached prompt
-        held = engine.snapshot.pool_blocks_held
+        held = local.index.snapshot().blocks_held
         return held, [o async for o in outputs][-1]
 
     held, last = asyncio.run(while_running())
@@ -176,25 +170,26 @@ def test_loaded_blocks_are_not_held_while_the_request_runs(engine, prompt):
 
 def test_an_uncached_request_is_counted_once(local_model, prompt):
     # A pool of one block cannot hold a prompt of several: the request runs uncached.
-    engine = Engine(local_model, EngineConfig(parallel=1, ctx_size=1024, batch_tokens=64,
-                                              cache=CacheConfig(budget_mb=1, block_size=16)))
-    engine.start()
+    local = LocalEngine.start(local_model, EngineConfig(
+        parallel=1, ctx_size=1024, batch_tokens=64,
+        cache=CacheConfig(budget_mb=1, block_size=16)))
     try:
-        run(engine, prompt)
-        assert settled(engine).cache.uncached_requests == 1
+        run(local, prompt)
+        local.settled()
+        assert local.index.snapshot().uncached_requests == 1
     finally:
-        engine.stop()
+        local.stop()
 
 
-def test_waiting_counts_requests_not_wake_up_markers(engine, prompt):
+def test_waiting_counts_requests_not_wake_up_markers(local, prompt):
     async def scenario():
-        handle = engine.submit(GenerationRequest(prompt, max_tokens=30, sampler=GREEDY))
+        handle = local.submit(GenerationRequest(prompt, max_tokens=30, sampler=GREEDY))
         outputs = handle.outputs()
         await outputs.__anext__()
         for _ in range(5):
-            engine.wake()
+            local.engine.wake()
         await asyncio.sleep(0.2)
-        waiting = engine.snapshot.waiting
+        waiting = local.engine.snapshot.waiting
         [o async for o in outputs]
         return waiting
 

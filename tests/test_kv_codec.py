@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.block_pool import BlockPool
 from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
 from gateway.engine import EngineConfig
 from gateway.llama import Batch, Context
@@ -39,13 +38,14 @@ def prefill(ctx: Context, tokens: list[int], seq: int, start: int = 0) -> np.nda
         batch.close()
 
 
-def to_blocks(state: SequenceState, pool: BlockPool, end: int) -> list[tuple[np.ndarray, int]]:
+def to_blocks(state: SequenceState, end: int) -> list[tuple[np.ndarray, int]]:
+    """Positions [0, end) cut into blocks, as a store writes them into arena slots."""
     blocks = []
     for start in range(0, end, BLOCK):
-        slot = pool.allocate()
+        block = np.zeros(state.layout.block_bytes(BLOCK), np.uint8)
         stop = min(start + BLOCK, end)
-        state.write_block(pool.block(slot), start, stop)
-        blocks.append((pool.block(slot), stop - start))
+        state.write_block(block, start, stop)
+        blocks.append((block, stop - start))
     return blocks
 
 
@@ -66,13 +66,11 @@ def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys)
     cold = prefill(ctx, tokens, seq=0)
     prefill(ctx, prefix, seq=1)
     state = SequenceState.parse(ctx.sequence_state(1), layout=None)
-    pool = BlockPool("test-codec", state.layout.block_bytes(BLOCK), 64 << 20, "fp", BLOCK)
     try:
-        blob = SequenceAssembler(state.layout).assemble(to_blocks(state, pool, len(prefix)), 2)
+        blob = SequenceAssembler(state.layout).assemble(to_blocks(state, len(prefix)), 2)
         ctx.load_sequence_state(2, blob)
         warm = prefill(ctx, tail, seq=2, start=len(prefix))
     finally:
-        pool.close()
         ctx.clear()
     diff = float(np.abs(warm - cold).max())
     with capsys.disabled():
@@ -99,15 +97,13 @@ def test_round_trip_keeps_every_byte_even_out_of_cell_order(ctx, local_model):
         assert np.any(np.diff(source.cell_of) < 0)  # really out of order
     expected = rows_by_position(source)
     layout = source.layout
-    pool = BlockPool("test-order", layout.block_bytes(BLOCK), 16 << 20, "fp", BLOCK)
     try:
         used = 2 * BLOCK + 5  # two whole blocks and 5 cells of the third
-        blocks = to_blocks(source, pool, 45)
+        blocks = to_blocks(source, 45)
         blob = SequenceAssembler(layout).assemble(blocks[:2] + [(blocks[2][0], 5)], seq_id=2)
         ctx.load_sequence_state(2, blob)
         loaded = SequenceState.parse(ctx.sequence_state(2), layout)
     finally:
-        pool.close()
         ctx.clear()
     assert loaded.first_pos == 0 and len(loaded.cell_of) == used
     for got, want in zip(rows_by_position(loaded), expected, strict=True):

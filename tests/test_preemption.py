@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from gateway.engine import Engine, EngineConfig, GenerationRequest
+from gateway.engine import EngineConfig
 from gateway.llama import SamplerSettings
+from gateway.messages import GenerationRequest
 from gateway.prefix_cache import CacheConfig
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
-from tests.test_engine_failures import settled
+from tests.local_engine import LocalEngine
 
 TOPICS = ["rivers", "mountains", "deserts", "forests", "oceans", "glaciers", "volcanoes",
           "islands"]
@@ -49,14 +50,14 @@ def assert_greedy(scorer: Llama, eog: np.ndarray, prompt: list[int], generated: 
 
 def test_more_demand_than_cells_completes_and_stays_greedy(local_model, scorer):
     # 8 requests of ~50 prompt + 100 generated tokens want ~1,200 cells; the context has 512.
-    engine = Engine(local_model, EngineConfig(parallel=8, ctx_size=512, batch_tokens=128,
-                                              cache=CacheConfig(budget_mb=64, block_size=16)))
-    engine.start()
+    local = LocalEngine.start(local_model, EngineConfig(
+        parallel=8, ctx_size=512, batch_tokens=128, cache=CacheConfig(budget_mb=64,
+                                                                      block_size=16)))
     prompts = [_prompt(local_model, topic) for topic in TOPICS]
 
     async def generate(prompt):
-        handle = engine.submit(GenerationRequest(prompt, max_tokens=100, ignore_eos=True,
-                                                 sampler=SamplerSettings(temperature=0.0)))
+        handle = local.submit(GenerationRequest(prompt, max_tokens=100, ignore_eos=True,
+                                                sampler=SamplerSettings(temperature=0.0)))
         return [output async for output in handle.outputs()][-1]
 
     async def all_at_once():
@@ -64,17 +65,16 @@ def test_more_demand_than_cells_completes_and_stays_greedy(local_model, scorer):
 
     try:
         finals = asyncio.run(all_at_once())
-        snap = settled(engine)
+        snap = local.settled()
         assert snap.preemptions > 0
         assert all(f.error is None and f.finish_reason == "length" for f in finals)
         assert all(len(f.generated) == 100 for f in finals)
         for prompt, final in zip(prompts, finals, strict=True):
             assert_greedy(scorer, local_model.eog_tokens, prompt, final.generated)
-        pool = engine.cache.pool
-        assert engine.cells.used == 0 and snap.cells_used == 0
-        assert (pool.refcounts[pool.refcounts > 0] == 1).all()  # no preempted hold left
+        assert snap.cells_used == 0
+        local.assert_released()  # no preempted hold left
     finally:
-        engine.stop()
+        local.stop()
 
 
 def test_preemption_through_the_server(model_path, model_name):

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cache.block_pool import HEADER_BYTES, BlockPool
+from cache.block_pool import BlockPool
 from cache.radix_tree import Match, RadixTree
 
 BLOCK = 4
@@ -15,11 +15,26 @@ SLOTS = 12
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6 * BLOCK)
 
 
-def write_tokens(tokens: np.ndarray):
-    def write(block: np.ndarray, start: int, end: int) -> None:
-        block[:] = 0
-        block[: (end - start) * 4] = np.frombuffer(tokens[start:end].tobytes(), np.uint8)
-    return write
+class Blocks:
+    """A pool and its tree, with block bytes in a plain array: each block holds its tokens."""
+
+    def __init__(self, n_slots: int, salt: bytes = b"") -> None:
+        self.pool = BlockPool(n_slots, BLOCK)
+        self.tree = RadixTree(self.pool, salt=salt)
+        self.bytes = np.zeros((n_slots, BLOCK * 4), np.uint8)
+
+    def insert(self, tokens: np.ndarray) -> tuple[Match, bool]:
+        def fill(start: int, end: int) -> int | None:
+            slot = self.tree.allocate()
+            if slot is not None:
+                self.bytes[slot] = 0
+                self.bytes[slot, : (end - start) * 4] = np.frombuffer(
+                    tokens[start:end].tobytes(), np.uint8)
+            return slot
+        return self.tree.insert(tokens, fill)
+
+    def block(self, slot: int) -> np.ndarray:
+        return self.bytes[slot]
 
 
 def block_content(node) -> bytes:
@@ -29,22 +44,18 @@ def block_content(node) -> bytes:
 class TreeAndPool(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(f"prop-{id(self)}", BLOCK * 4,
-                              HEADER_BYTES + SLOTS * (BLOCK * 4 + 4), "fp", BLOCK)
-        self.tree = RadixTree(self.pool, salt=b"tenant")
+        self.blocks = Blocks(SLOTS, salt=b"tenant")
+        self.pool, self.tree = self.blocks.pool, self.blocks.tree
         self.held: list[tuple[Match, list[bytes]]] = []
 
-    def teardown(self) -> None:
-        self.pool.close()
-
     def _hold(self, match: Match) -> None:
-        self.held.append((match, [bytes(self.pool.block(n.slot)) for n in match.nodes]))
+        self.held.append((match, [bytes(self.blocks.block(n.slot)) for n in match.nodes]))
 
     @rule(tokens=token_lists)
     def insert(self, tokens):
         arr = np.array(tokens, np.int32)
         used_before = self.pool.n_used
-        match, complete = self.tree.insert(arr, write_tokens(arr))
+        match, complete = self.blocks.insert(arr)
         self._check_blocks(match, arr)
         if complete:
             assert match.n_tokens == len(arr)
@@ -62,7 +73,7 @@ class TreeAndPool(RuleBasedStateMachine):
         self._hold(m)
 
     def _check_blocks(self, m: Match, arr: np.ndarray) -> None:
-        got = [self.pool.block(slot)[: n * 4].view(np.int32) for slot, n in m.blocks()]
+        got = [self.blocks.block(slot)[: n * 4].view(np.int32) for slot, n in m.blocks()]
         assert np.array_equal(np.concatenate(got) if got else arr[:0], arr[: m.n_tokens])
 
     @precondition(lambda self: self.held)
@@ -91,7 +102,7 @@ class TreeAndPool(RuleBasedStateMachine):
         for match, contents in self.held:
             for node, content in zip(match.nodes, contents, strict=True):
                 assert id(node) in in_tree
-                assert bytes(self.pool.block(node.slot)) == content == block_content(node)
+                assert bytes(self.blocks.block(node.slot)) == content == block_content(node)
 
     @invariant()
     def keys_are_unique_and_chained(self):
@@ -126,70 +137,58 @@ test_tree_and_pool = TreeAndPool.TestCase
 
 
 def test_lru_leaf_is_evicted_first_and_recent_prefixes_survive():
-    pool = BlockPool("lru", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
-    tree = RadixTree(pool)
-    try:
-        prompts = [np.array([p] * BLOCK * 2, np.int32) for p in range(3)]
-        for arr in prompts[:2]:
-            match, complete = tree.insert(arr, write_tokens(arr))
-            tree.release(match)
-            assert complete
-        tree.release(tree.match(prompts[0]))  # prompt 0 is now more recent than prompt 1
-        match, complete = tree.insert(prompts[2], write_tokens(prompts[2]))
+    blocks = Blocks(4)
+    tree = blocks.tree
+    prompts = [np.array([p] * BLOCK * 2, np.int32) for p in range(3)]
+    for arr in prompts[:2]:
+        match, complete = blocks.insert(arr)
         tree.release(match)
-        assert complete and tree.evictions == 2
-        assert tree.match(prompts[0]).n_tokens == 8  # survived
-        assert tree.match(prompts[1]).n_tokens == 0  # evicted, leaf first, then its parent
-    finally:
-        pool.close()
+        assert complete
+    tree.release(tree.match(prompts[0]))  # prompt 0 is now more recent than prompt 1
+    match, complete = blocks.insert(prompts[2])
+    tree.release(match)
+    assert complete and tree.evictions == 2
+    assert tree.match(prompts[0]).n_tokens == 8  # survived
+    assert tree.match(prompts[1]).n_tokens == 0  # evicted, leaf first, then its parent
 
 
 def test_a_shorter_copy_stored_after_the_longer_one_reuses_it():
     # The review's case: A stores prompt P and its answer, then B, with the same P, stores P.
-    pool = BlockPool("shorter-after", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
-    tree = RadixTree(pool)
-    try:
-        p_and_answer = np.arange(8, dtype=np.int32)  # two full blocks
-        prompt = p_and_answer[:6]  # one full block and two tokens of the second
-        for tokens in (p_and_answer, prompt):
-            match, complete = tree.insert(tokens, write_tokens(tokens))
-            assert complete and match.n_tokens == len(tokens)
-            tree.release(match)
-        assert pool.n_used == len(tree) == 2
-        match = tree.match(prompt)
-        assert match.n_tokens == 6 and [n for _, n in match.blocks()] == [4, 2]
+    blocks = Blocks(4)
+    pool, tree = blocks.pool, blocks.tree
+    p_and_answer = np.arange(8, dtype=np.int32)  # two full blocks
+    prompt = p_and_answer[:6]  # one full block and two tokens of the second
+    for tokens in (p_and_answer, prompt):
+        match, complete = blocks.insert(tokens)
+        assert complete and match.n_tokens == len(tokens)
         tree.release(match)
-    finally:
-        pool.close()
+    assert pool.n_used == len(tree) == 2
+    match = tree.match(prompt)
+    assert match.n_tokens == 6 and [n for _, n in match.blocks()] == [4, 2]
+    tree.release(match)
 
 
 def test_a_shorter_copy_held_while_the_longer_one_is_stored_goes_on_release():
-    pool = BlockPool("shorter-held", BLOCK * 4, HEADER_BYTES + 4 * (BLOCK * 4 + 4), "fp", BLOCK)
-    tree = RadixTree(pool)
-    try:
-        p_and_answer = np.arange(8, dtype=np.int32)
-        prompt = p_and_answer[:6]
-        held, _ = tree.insert(prompt, write_tokens(prompt))
-        longer, _ = tree.insert(p_and_answer, write_tokens(p_and_answer))
-        tree.release(longer)
-        assert pool.n_used == len(tree) == 3  # the shorter copy is still in use
-        tree.release(held)
-        assert pool.n_used == len(tree) == 2
-        assert tree.match(prompt).n_tokens == 6
-    finally:
-        pool.close()
+    blocks = Blocks(4)
+    pool, tree = blocks.pool, blocks.tree
+    p_and_answer = np.arange(8, dtype=np.int32)
+    prompt = p_and_answer[:6]
+    held, _ = blocks.insert(prompt)
+    longer, _ = blocks.insert(p_and_answer)
+    tree.release(longer)
+    assert pool.n_used == len(tree) == 3  # the shorter copy is still in use
+    tree.release(held)
+    assert pool.n_used == len(tree) == 2
+    assert tree.match(prompt).n_tokens == 6
 
 
 def test_everything_held_means_uncached_not_evicted():
-    pool = BlockPool("full", BLOCK * 4, HEADER_BYTES + 2 * (BLOCK * 4 + 4), "fp", BLOCK)
-    tree = RadixTree(pool)
-    try:
-        a = np.arange(8, dtype=np.int32)
-        held, complete = tree.insert(a, write_tokens(a))
-        assert complete
-        b = np.arange(8, 16, dtype=np.int32)
-        partial, complete = tree.insert(b, write_tokens(b))
-        assert not complete and partial.nodes == [] and tree.evictions == 0
-        assert tree.match(a).n_tokens == 8
-    finally:
-        pool.close()
+    blocks = Blocks(2)
+    tree = blocks.tree
+    a = np.arange(8, dtype=np.int32)
+    held, complete = blocks.insert(a)
+    assert complete
+    b = np.arange(8, 16, dtype=np.int32)
+    partial, complete = blocks.insert(b)
+    assert not complete and partial.nodes == [] and tree.evictions == 0
+    assert tree.match(a).n_tokens == 8

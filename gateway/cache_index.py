@@ -1,0 +1,163 @@
+"""The prefix cache's index, in the gateway: radix tree, block allocation, reference counts, LRU.
+
+This is the single writer of block metadata. Workers move block bytes in the shared arena at the
+slots it hands out, through leases (blocks to load, referenced until released) and store plans
+(fresh slots to fill, adopted into the tree on commit). Every lease and plan is owned by a
+worker, so that a worker that dies loses nothing: `release_owner` returns all it held.
+
+A plan's slots join the tree only once written, so no other worker can ever match a block whose
+bytes are not there yet; the prefix before the plan stays referenced until the commit, so that
+eviction cannot cut the path the new blocks hang from. Two workers storing the same blocks at
+once both write them; the second commit finds them in the tree and frees its copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache.block_pool import BlockPool
+from cache.radix_tree import Match, RadixTree
+from gateway.messages import Lease, StorePlan
+
+
+@dataclass(frozen=True)
+class IndexSnapshot:
+    blocks_used: int
+    blocks_free: int
+    blocks_held: int  # referenced by a lease or plan, not only the tree
+    evictions: int
+    uncached_requests: int  # requests whose blocks did not fit: everything was in use
+
+
+@dataclass
+class _Plan:
+    owner: int
+    tokens: np.ndarray
+    prefix: Match  # the cached blocks before `begin`, kept until the commit
+    begin: int
+    end: int
+    slots: list[int]
+    final: bool
+    hold: bool
+
+
+class CacheIndex:
+    def __init__(self, n_slots: int, block_size: int) -> None:
+        self.pool = BlockPool(n_slots, block_size)
+        self.tree = RadixTree(self.pool)
+        self.block_size = block_size
+        self._lock = threading.Lock()  # calls come from every worker's reader thread
+        self._ids = itertools.count(1)
+        self._leases: dict[int, tuple[int, Match]] = {}
+        self._plans: dict[int, _Plan] = {}
+        self._uncached_requests = 0
+
+    def client(self, owner: int) -> IndexClient:
+        return IndexClient(self, owner)
+
+    def cached_length(self, tokens: np.ndarray) -> int:
+        with self._lock:
+            return self.tree.matched_length(tokens)
+
+    def match(self, owner: int, tokens: np.ndarray) -> Lease:
+        with self._lock:
+            match = self.tree.match(tokens)
+            lease_id = next(self._ids)
+            self._leases[lease_id] = (owner, match)
+            return Lease(lease_id, match.n_tokens, tuple(match.blocks()))
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            owner_match = self._leases.pop(lease_id, None)
+            if owner_match is not None:
+                self.tree.release(owner_match[1])
+
+    def plan_store(self, owner: int, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
+        """Slots for the blocks of `tokens` from the first one the tree lacks, as many as the
+        pool can free by evicting unreferenced leaves."""
+        bs = self.block_size
+        with self._lock:
+            cached = self.tree.matched_length(tokens)
+            begin = len(tokens) if cached == len(tokens) else cached // bs * bs
+            prefix = self.tree.match(tokens[:begin])
+            slots = []
+            for _ in range(math.ceil((len(tokens) - begin) / bs)):
+                slot = self.tree.allocate()
+                if slot is None:
+                    break
+                slots.append(slot)
+            end = min(len(tokens), begin + len(slots) * bs)
+            plan_id = next(self._ids)
+            self._plans[plan_id] = _Plan(owner, tokens, prefix, begin, end, slots, final, hold)
+            return StorePlan(plan_id, begin, end, tuple(slots))
+
+    def commit_store(self, plan_id: int, written: bool) -> None:
+        """Adopts a plan's written slots into the tree. With `hold` the stored path stays
+        referenced as a lease with the plan's id."""
+        with self._lock:
+            plan = self._plans.pop(plan_id, None)
+            if plan is None:  # its owner died meanwhile: everything was returned already
+                return
+            complete = False
+            if written:
+                unused = dict(enumerate(plan.slots))
+
+                def fill(start: int, _end: int) -> int | None:
+                    if start < plan.begin:  # a block before the plan went missing meanwhile
+                        return None
+                    return unused.pop((start - plan.begin) // self.block_size, None)
+
+                path, complete = self.tree.insert(plan.tokens[: plan.end], fill)
+                complete = complete and plan.end == len(plan.tokens)
+                plan.slots = list(unused.values())
+                if plan.hold:
+                    self._leases[plan_id] = (plan.owner, path)
+                else:
+                    self.tree.release(path)
+            if plan.final and not complete:
+                self._uncached_requests += 1
+            self._drop(plan)
+
+    def release_owner(self, owner: int) -> None:
+        """Everything a worker held: it died, or stopped."""
+        with self._lock:
+            for lease_id in [i for i, (o, _) in self._leases.items() if o == owner]:
+                self.tree.release(self._leases.pop(lease_id)[1])
+            for plan_id in [i for i, p in self._plans.items() if p.owner == owner]:
+                self._drop(self._plans.pop(plan_id))
+
+    def _drop(self, plan: _Plan) -> None:
+        for slot in plan.slots:
+            self.pool.release(slot)
+        self.tree.release(plan.prefix)
+
+    def snapshot(self) -> IndexSnapshot:
+        with self._lock:
+            return IndexSnapshot(self.pool.n_used, self.pool.n_free, self.pool.n_held,
+                                 self.tree.evictions, self._uncached_requests)
+
+
+@dataclass(frozen=True)
+class IndexClient:
+    """The index as one worker sees it: the calls a worker's PrefixCache makes, bound to its
+    owner id. A worker process reaches the same calls through `gateway.worker.RemoteIndex`."""
+
+    index: CacheIndex
+    owner: int
+
+    def match(self, tokens: np.ndarray) -> Lease:
+        return self.index.match(self.owner, tokens)
+
+    def release(self, lease_id: int) -> None:
+        self.index.release(lease_id)
+
+    def plan_store(self, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
+        return self.index.plan_store(self.owner, tokens, final, hold)
+
+    def commit_store(self, plan_id: int, written: bool) -> None:
+        self.index.commit_store(plan_id, written)

@@ -1,0 +1,194 @@
+"""Every message that crosses between the gateway process and its engine worker processes.
+
+They travel pickled over one `multiprocessing` connection per worker (a Unix socket pair). The
+gateway sends requests and index replies; a worker sends outputs, snapshots and index calls. Only
+these plain dataclasses cross: never an engine, a context or a tree.
+
+The cache index (radix tree, block allocation, reference counts, LRU) lives in the gateway alone.
+A worker asks it for blocks to load (`MatchCall` -> `Lease`) and for slots to store into
+(`PlanStoreCall` -> `StorePlan`), moves the bytes itself in the shared arena, then says so
+(`ReleaseLease`, `CommitStore`). Messages on one connection arrive in order, so a commit is
+applied before any later call of the same worker.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cache.kv_codec import KVLayout
+from gateway.llama import SamplerSettings
+
+# ----- what a request asks for and what it gets ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampler: SamplerSettings = SamplerSettings()
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @functools.cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, biases), built once rather than at every step."""
+        return (np.fromiter(self.logit_bias.keys(), dtype=np.int64),
+                np.fromiter(self.logit_bias.values(), dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Output:
+    """One engine step's result for a request: new text, and on the last one why it ended."""
+
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | None while generating
+    usage: Usage | None = None
+    error: str | None = None
+    unavailable: bool = False  # the engine stopped or died: a 503, not a 500
+    generated: tuple[int, ...] = ()  # on the last output: every generated token id
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class CacheStats:
+    """A worker's side of the prefix cache: what it loaded and stored."""
+
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # prompt tokens loaded from the pool instead of computed
+    store_failures: int = 0  # stores that raised: the request ran on, uncached
+    loads: int = 0
+    load_seconds: float = 0.0  # assembling and loading matched blocks into sequences
+    stores: int = 0
+    store_seconds: float = 0.0  # serialising sequences and cutting them into blocks
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an engine publishes after every step, for readers on other threads or processes."""
+
+    running: int = 0
+    waiting: int = 0
+    cells_used: int = 0
+    cells_total: int = 0
+    preemptions: int = 0
+    shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
+    cache: CacheStats | None = None
+    failure: str | None = None  # why the engine thread died, if it did
+
+
+# ----- the cache index's answers ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Matched blocks, referenced for the worker until it sends ReleaseLease(lease_id)."""
+
+    lease_id: int
+    n_tokens: int
+    blocks: tuple[tuple[int, int], ...]  # (slot, tokens used); only the last may be partial
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Slots for the blocks of tokens[begin:end) the tree lacks, in block order. The worker
+    writes them and answers CommitStore(plan_id); until then they belong to the plan."""
+
+    plan_id: int
+    begin: int
+    end: int
+    slots: tuple[int, ...]
+
+
+# ----- gateway -> worker --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attach:
+    arena_path: str | None  # None: no prefix cache
+
+
+@dataclass(frozen=True)
+class Submit:
+    request_id: int
+    request: GenerationRequest
+    pool_hint: int = 0  # prompt tokens the pool held when the request was routed
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class IndexReply:
+    call_id: int
+    result: Lease | StorePlan
+
+
+# ----- worker -> gateway --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    seq_len: int  # tokens one request may hold
+    cells_total: int
+    layout: KVLayout | None  # None: this worker caches nothing
+    fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Every output of one engine step, in one message."""
+
+    items: tuple[tuple[int, Output], ...]
+
+
+@dataclass(frozen=True)
+class Published:
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True)
+class MatchCall:
+    call_id: int
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class PlanStoreCall:
+    call_id: int
+    tokens: np.ndarray
+    final: bool  # the request's last store: count it if its blocks do not fit
+    hold: bool  # keep the stored path referenced (a preempted request resumes from it)
+
+
+@dataclass(frozen=True)
+class ReleaseLease:
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class CommitStore:
+    plan_id: int
+    written: bool  # False: the worker could not write the blocks; drop the plan

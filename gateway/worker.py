@@ -1,0 +1,195 @@
+"""An engine worker process: one llama.cpp context, fed requests by the gateway.
+
+Started by the gateway (gateway/workers.py) with one end of a connection. It loads the model,
+reports its KV layout (`Ready`), attaches to the arena the gateway names (`Attach`), then runs
+the engine thread while this process's main thread reads the connection. The outputs of a step
+leave together, in one message, when the engine publishes its snapshot; the cache index calls
+the engine thread makes wait for their replies, which the main thread hands over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import signal
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from cache.arena import BlockArena
+from cache.fingerprint import gguf_fingerprint
+from gateway.engine import Engine, EngineConfig, EngineUnavailable
+from gateway.llama import Model, runtime_version
+from gateway.messages import (
+    Attach,
+    Cancel,
+    CommitStore,
+    EngineSnapshot,
+    IndexReply,
+    Lease,
+    MatchCall,
+    Output,
+    Outputs,
+    PlanStoreCall,
+    Published,
+    Ready,
+    ReleaseLease,
+    Shutdown,
+    StorePlan,
+    Submit,
+)
+
+log = logging.getLogger(__name__)
+
+# How long a worker waits for the gateway to answer an index call before giving up on the cache
+# for that load or store (the gateway answers from a reader thread, in well under a second).
+INDEX_CALL_TIMEOUT = 30.0
+
+
+def kv_fingerprint(model_path: str, engine: Engine) -> str:
+    """What guards the arena: the model's content, the llama.cpp build and the KV layout."""
+    return engine.kv_layout.fingerprint(f"{gguf_fingerprint(model_path)}/{runtime_version()}")
+
+
+@dataclass
+class _Link:
+    """The worker's end of the connection. Both threads send (the main thread only to refuse a
+    request), so sends take a lock: interleaved writes would corrupt the stream."""
+
+    conn: Connection
+    replies: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    call_ids: itertools.count = field(default_factory=itertools.count)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def call(self, make) -> Lease | StorePlan:
+        """Sends an index call and waits for its reply (queue.Empty after the timeout)."""
+        call_id = next(self.call_ids)
+        self.send(make(call_id))
+        while True:
+            reply: IndexReply = self.replies.get(timeout=INDEX_CALL_TIMEOUT)
+            if reply.call_id == call_id:
+                return reply.result
+            self._give_back(reply.result)  # a late reply to a call that timed out
+
+    def _give_back(self, result: Lease | StorePlan) -> None:
+        if isinstance(result, Lease):
+            self.send(ReleaseLease(result.lease_id))
+        else:
+            self.send(CommitStore(result.plan_id, written=False))
+
+
+@dataclass(frozen=True)
+class RemoteIndex:
+    """The gateway's cache index, reached over the connection (see gateway.cache_index)."""
+
+    link: _Link
+
+    def match(self, tokens: np.ndarray) -> Lease:
+        return self.link.call(lambda call_id: MatchCall(call_id, tokens))
+
+    def release(self, lease_id: int) -> None:  # one way: nothing to wait for
+        self.link.send(ReleaseLease(lease_id))
+
+    def plan_store(self, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
+        return self.link.call(lambda call_id: PlanStoreCall(call_id, tokens, final, hold))
+
+    def commit_store(self, plan_id: int, written: bool) -> None:
+        self.link.send(CommitStore(plan_id, written))
+
+
+def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
+        log_level: str) -> None:
+    """The worker process's entry point."""
+    # Ctrl-C reaches the whole process group: the gateway stops its workers itself, after
+    # draining, rather than have them die under requests in flight.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s worker-{worker_id} %(name)s: "
+                               "%(message)s")
+    link = _Link(conn)
+    outbox: list[tuple[int, Output]] = []
+    last_sent: list[EngineSnapshot] = []
+
+    def publish(snapshot: EngineSnapshot) -> None:  # on the engine thread, after every step
+        if outbox:
+            items = tuple(outbox)
+            outbox.clear()
+            link.send(Outputs(items))
+        if not last_sent or last_sent[0] != snapshot:
+            last_sent[:] = [snapshot]
+            link.send(Published(snapshot))
+
+    model = Model(model_path)
+    engine = Engine(model, config, on_publish=publish)
+    fingerprint = kv_fingerprint(model_path, engine) if engine.kv_layout else None
+    link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout,
+                    fingerprint))
+    attach: Attach = conn.recv()
+    arena = BlockArena.attach(attach.arena_path, fingerprint) if attach.arena_path else None
+    if arena is not None:
+        engine.use_cache(arena, RemoteIndex(link))
+    engine.start()
+    try:
+        _serve(engine, link, outbox)
+    finally:
+        engine.stop()
+        if arena is not None:
+            arena.close()
+        model.close()
+    if engine.failure:
+        raise SystemExit(1)
+
+
+@dataclass
+class _RemoteSink:
+    """A request's outputs, queued in the worker's outbox until the step ends."""
+
+    request_id: int
+    outbox: list[tuple[int, Output]]
+    live: dict[int, _RemoteSink]  # the worker's unfinished requests, for Cancel
+    cancelled: bool = False
+
+    def deliver(self, output: Output) -> None:  # on the engine thread
+        self.outbox.append((self.request_id, output))
+        if output.last:
+            self.live.pop(self.request_id, None)
+
+
+def _serve(engine: Engine, link: _Link, outbox: list[tuple[int, Output]]) -> None:
+    live: dict[int, _RemoteSink] = {}
+    while True:
+        if not link.conn.poll(0.5):
+            if engine.failure:  # the engine thread died and answered everyone: restart us
+                log.error("engine failed (%s); exiting for the gateway to restart this worker",
+                          engine.failure)
+                return
+            continue
+        try:
+            message = link.conn.recv()
+        except (EOFError, OSError):  # the gateway is gone
+            return
+        if isinstance(message, Submit):
+            sink = live[message.request_id] = _RemoteSink(message.request_id, outbox, live)
+            try:
+                engine.submit(message.request, sink, message.pool_hint)
+            except EngineUnavailable as exc:
+                live.pop(message.request_id, None)
+                link.send(Outputs(((message.request_id,
+                                    Output(error=str(exc), unavailable=True)),)))
+        elif isinstance(message, Cancel):
+            sink = live.pop(message.request_id, None)
+            if sink is not None:
+                sink.cancelled = True
+                engine.wake()
+        elif isinstance(message, IndexReply):
+            link.replies.put(message)
+        elif isinstance(message, Shutdown):
+            return

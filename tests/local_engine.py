@@ -1,0 +1,67 @@
+"""An engine in the test process, wired to a cache index and arena of its own, as a worker
+process is wired to the gateway's: for tests that reach into the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache.arena import HEADER_BYTES, ArenaHeader, BlockArena, default_arena_path
+from gateway.cache_index import CacheIndex
+from gateway.engine import Engine, EngineConfig
+from gateway.llama import Model
+from gateway.messages import EngineSnapshot, GenerationRequest
+from gateway.workers import GenerationHandle
+
+
+@dataclass
+class LocalEngine:
+    engine: Engine
+    index: CacheIndex | None
+    arena: BlockArena | None
+
+    @classmethod
+    def start(cls, model: Model, config: EngineConfig) -> LocalEngine:
+        engine = Engine(model, config)
+        index = arena = None
+        if engine.kv_layout is not None:
+            cache = config.cache
+            slot_bytes = engine.kv_layout.block_bytes(cache.block_size)
+            n_slots = ((cache.budget_mb << 20) - HEADER_BYTES) // slot_bytes
+            arena = BlockArena.create(default_arena_path(), ArenaHeader(
+                "test", slot_bytes, n_slots, cache.block_size))
+            index = CacheIndex(n_slots, cache.block_size)
+            engine.use_cache(arena, index.client(0))
+        engine.start()
+        return cls(engine, index, arena)
+
+    def submit(self, request: GenerationRequest) -> GenerationHandle:
+        handle = GenerationHandle(asyncio.get_running_loop(), on_cancel=self.engine.wake)
+        prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
+        self.engine.submit(request, handle,
+                           self.index.cached_length(prompt) if self.index else 0)
+        return handle
+
+    def settled(self) -> EngineSnapshot:
+        """The snapshot once the engine has published the step that answered the last request."""
+        deadline = time.monotonic() + 10
+        while ((self.engine.snapshot.running or self.engine.snapshot.waiting)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        time.sleep(0.05)
+        return self.engine.snapshot
+
+    def assert_released(self) -> None:
+        """No request holds a cell or a block: only the tree references blocks."""
+        snap = self.settled()
+        assert snap.running == 0 and snap.waiting == 0 and self.engine.cells.used == 0
+        refcounts = self.index.pool.refcounts
+        assert (refcounts[refcounts > 0] == 1).all()
+
+    def stop(self) -> None:
+        self.engine.stop()
+        if self.arena is not None:
+            self.arena.close()
