@@ -9,9 +9,7 @@ import logging
 import os
 from pathlib import Path
 
-from gateway.engine import EngineConfig
-from gateway.llama import KV_TYPES
-from gateway.prefix_cache import CacheConfig
+from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
 from gateway.router import POLICIES, RoutingConfig
 
 
@@ -29,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "evenly between them)")
     p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
-    p.add_argument("--kv-type", choices=sorted(KV_TYPES), default=None,
+    p.add_argument("--kv-type", choices=KV_TYPE_NAMES, default=None,
                    help="KV cache type: f16 (default) or q8_0 (half the memory, changes "
                         "outputs slightly)")
     p.add_argument("--flash-attn", action="store_true",

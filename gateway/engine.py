@@ -30,50 +30,21 @@ from typing import Protocol
 import numpy as np
 
 from cache.arena import BlockArena
+from gateway.config import EngineConfig
 from gateway.kv_cells import CellLedger
 from gateway.llama import (
     Batch,
     Context,
-    ContextShape,
     DecodeError,
     KVCacheFull,
     Model,
     Sampler,
 )
 from gateway.messages import EngineSnapshot, GenerationRequest, Output, Usage
-from gateway.prefix_cache import BlockIndex, CacheConfig, PrefixCache, cacheable_layout
+from gateway.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from gateway.textstream import TextStream
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    parallel: int = 8  # sequences decoded together
-    ctx_size: int = 16384  # KV cells of all sequences together
-    # Tokens per llama_decode call: decodes first, prefill chunks after. 512 is llama-cpp-python's
-    # n_batch, so that a request alone is prefilled in the same chunks and gets the same logits.
-    batch_tokens: int = 512
-    threads: int = 2
-    kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
-    flash_attn: bool = False  # default mode only: the deterministic mode always uses it
-    deterministic: bool = False
-    cache: CacheConfig = CacheConfig()
-
-    def context_shape(self) -> ContextShape:
-        if self.deterministic:
-            # Q8_0 keeps every flash-attention call on the same row-by-row kernel whatever the
-            # batch, and a stream per sequence fills its cells in position order, as alone.
-            return ContextShape(n_ctx=self.ctx_size // self.parallel * self.parallel,
-                                n_seq_max=self.parallel, n_batch=self.batch_tokens,
-                                n_threads=self.threads, kv_type=self.kv_type or "q8_0",
-                                flash_attn=True, unified=False)
-        # Flash attention off and F16 KV are llama-cpp-python's defaults: a request alone gives
-        # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
-        return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
-                            n_batch=self.batch_tokens, n_threads=self.threads,
-                            kv_type=self.kv_type or "f16", flash_attn=self.flash_attn,
-                            unified=True)
 
 
 class EngineUnavailable(RuntimeError):

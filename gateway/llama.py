@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import llama_cpp as lc
 import numpy as np
 
+from gateway.config import ContextShape
+
 log = logging.getLogger(__name__)
 
 # ggml_log_level: 3 = WARN, 4 = ERROR (2 = INFO, 1 = DEBUG, 5 = CONT are dropped)
@@ -32,7 +34,7 @@ lc.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
 lc.llama_backend_init()
 
 
-KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
+KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}  # by config.KV_TYPE_NAMES
 
 
 class ModelLoadError(RuntimeError):
@@ -135,18 +137,6 @@ class Model:
         if self.ptr:
             lc.llama_model_free(self.ptr)
             self.ptr = None
-
-
-@dataclass(frozen=True)
-class ContextShape:
-    n_ctx: int  # KV cells of all sequences together
-    n_seq_max: int
-    n_batch: int  # tokens per llama_decode call, and per compute pass (n_ubatch)
-    n_threads: int
-    kv_type: str = "f16"
-    flash_attn: bool = False
-    unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
-    n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
 
 
 class Context:

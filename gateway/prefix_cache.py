@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from cache.arena import BlockArena
 from cache.kv_codec import KVLayout, SequenceAssembler, SequenceState
+from gateway.config import CacheConfig
 from gateway.llama import Batch, Context, Model
 from gateway.messages import CacheStats, Lease, StorePlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    enabled: bool = True
-    budget_mb: int = 1024
-    block_size: int = 64
 
 
 class BlockIndex(Protocol):

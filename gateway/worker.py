@@ -22,7 +22,8 @@ import numpy as np
 
 from cache.arena import BlockArena
 from cache.fingerprint import gguf_fingerprint
-from gateway.engine import Engine, EngineConfig, EngineUnavailable
+from gateway.config import EngineConfig
+from gateway.engine import Engine, EngineUnavailable
 from gateway.llama import Model, runtime_version
 from gateway.messages import (
     Attach,

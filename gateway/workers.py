@@ -36,7 +36,8 @@ from cache.arena import (
 )
 from gateway import worker as worker_main
 from gateway.cache_index import CacheIndex
-from gateway.engine import EngineConfig, EngineUnavailable
+from gateway.config import EngineConfig
+from gateway.engine import EngineUnavailable
 from gateway.messages import (
     Attach,
     Cancel,

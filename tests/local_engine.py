@@ -11,7 +11,8 @@ import numpy as np
 
 from cache.arena import HEADER_BYTES, ArenaHeader, BlockArena, default_arena_path
 from gateway.cache_index import CacheIndex
-from gateway.engine import Engine, EngineConfig
+from gateway.config import EngineConfig
+from gateway.engine import Engine
 from gateway.llama import Model
 from gateway.messages import EngineSnapshot, GenerationRequest
 from gateway.workers import GenerationHandle

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from gateway.prefix_cache import CacheConfig, cacheable_layout
+from gateway.config import CacheConfig
+from gateway.prefix_cache import cacheable_layout
 
 
 def test_smollm2_kv_splits_into_position_blocks(local_model):

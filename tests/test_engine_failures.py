@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from gateway.engine import EngineConfig, EngineUnavailable
+from gateway.config import CacheConfig, EngineConfig
+from gateway.engine import EngineUnavailable
 from gateway.llama import DecodeError, SamplerSettings
 from gateway.messages import GenerationRequest
-from gateway.prefix_cache import CacheConfig
 from tests.local_engine import LocalEngine
 
 GREEDY = SamplerSettings(temperature=0.0)

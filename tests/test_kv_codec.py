@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
-from gateway.engine import EngineConfig
+from gateway.config import EngineConfig
 from gateway.llama import Batch, Context
 
 BLOCK = 16

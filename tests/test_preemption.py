@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from gateway.engine import EngineConfig
+from gateway.config import CacheConfig, EngineConfig
 from gateway.llama import SamplerSettings
 from gateway.messages import GenerationRequest
-from gateway.prefix_cache import CacheConfig
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.local_engine import LocalEngine

@@ -1,0 +1,56 @@
+"""What the engine is configured with, in a module that does not load llama.cpp (`--help` and the
+gateway's own setup read it without paying for that)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_TYPE_NAMES = ("f16", "q8_0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    budget_mb: int = 1024
+    block_size: int = 64
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    n_ctx: int  # KV cells of all sequences together
+    n_seq_max: int
+    n_batch: int  # tokens per llama_decode call, and per compute pass (n_ubatch)
+    n_threads: int
+    kv_type: str = "f16"
+    flash_attn: bool = False
+    unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
+    n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    parallel: int = 8  # sequences decoded together
+    ctx_size: int = 16384  # KV cells of all sequences together
+    # Tokens per llama_decode call: decodes first, prefill chunks after. 512 is llama-cpp-python's
+    # n_batch, so that a request alone is prefilled in the same chunks and gets the same logits.
+    batch_tokens: int = 512
+    threads: int = 2
+    kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
+    flash_attn: bool = False  # default mode only: the deterministic mode always uses it
+    deterministic: bool = False
+    cache: CacheConfig = CacheConfig()
+
+    def context_shape(self) -> ContextShape:
+        if self.deterministic:
+            # Q8_0 keeps every flash-attention call on the same row-by-row kernel whatever the
+            # batch, and a stream per sequence fills its cells in position order, as alone.
+            return ContextShape(n_ctx=self.ctx_size // self.parallel * self.parallel,
+                                n_seq_max=self.parallel, n_batch=self.batch_tokens,
+                                n_threads=self.threads, kv_type=self.kv_type or "q8_0",
+                                flash_attn=True, unified=False)
+        # Flash attention off and F16 KV are llama-cpp-python's defaults: a request alone gives
+        # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
+        return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
+                            n_batch=self.batch_tokens, n_threads=self.threads,
+                            kv_type=self.kv_type or "f16", flash_attn=self.flash_attn,
+                            unified=True)
