@@ -9,9 +9,11 @@ stored block reuses the longer one, which already holds the KV of those position
 Invariants (checked by the property tests):
 - Every node's slot is referenced once by the tree, plus once per holder of a Match or insert
   path that contains it. A slot with a reference other than the tree's is never evicted or written.
-- A node's key is xxh3-128(parent key + its tokens), the root's key comes from the namespace salt,
-  so equal keys mean equal prefixes; stored tokens are still compared on every hit, so a hash
-  collision can never serve another prompt's KV. No two nodes share a key.
+- A node's key is xxh3-128(parent key + its tokens), and each namespace (a tenant's, chosen by
+  the server per request) has a root of its own keyed by its name, so equal keys mean equal
+  prefixes in one namespace and no prefix is ever matched across namespaces; stored tokens are
+  still compared on every hit, so a hash collision can never serve another prompt's KV. No two
+  nodes share a key.
 - Eviction takes the least recently used leaf that only the tree references; its parent may become
   such a leaf in turn. Touching a path moves the leaf first, so ancestors stay more recent than
   their descendants and the LRU order meets leaves first.
@@ -59,11 +61,10 @@ class Match:
 
 
 class RadixTree:
-    def __init__(self, pool: BlockPool, salt: bytes = b"") -> None:
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
-        self.root = Node(np.empty(0, np.int32), xxhash.xxh3_128(b"prefixgate\0" + salt).digest(),
-                         -1, None)
+        self._roots: dict[bytes, Node] = {}
         self._index: dict[bytes, Node] = {}
         self._lru: OrderedDict[Node, None] = OrderedDict()
         self.evictions = 0
@@ -74,20 +75,27 @@ class RadixTree:
     def nodes(self) -> list[Node]:
         return list(self._index.values())
 
-    def match(self, tokens: np.ndarray) -> Match:
+    def root(self, namespace: bytes) -> Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            key = xxhash.xxh3_128(b"prefixgate\0" + namespace).digest()
+            root = self._roots[namespace] = Node(np.empty(0, np.int32), key, -1, None)
+        return root
+
+    def match(self, tokens: np.ndarray, namespace: bytes = b"") -> Match:
         """The longest cached prefix of `tokens`, retained for the caller."""
-        path, n = self._walk(tokens)
+        path, n = self._walk(tokens, namespace)
         for node in path:
             self.pool.retain(node.slot)
         self._touch(path)
         return Match(path, n)
 
-    def matched_length(self, tokens: np.ndarray) -> int:
+    def matched_length(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
         """How much of `tokens` is cached, without using (or refreshing) any block."""
-        return self._walk(tokens)[1]
+        return self._walk(tokens, namespace)[1]
 
-    def _walk(self, tokens: np.ndarray) -> tuple[list[Node], int]:
-        node, path, n = self.root, [], 0
+    def _walk(self, tokens: np.ndarray, namespace: bytes) -> tuple[list[Node], int]:
+        node, path, n = self.root(namespace), [], 0
         while n < len(tokens):
             chunk = tokens[n: n + self.block_size]
             child = self._child(node, chunk)
@@ -102,11 +110,12 @@ class RadixTree:
             node = child
         return path, n
 
-    def insert(self, tokens: np.ndarray, fill: BlockFiller) -> tuple[Match, bool]:
+    def insert(self, tokens: np.ndarray, fill: BlockFiller,
+               namespace: bytes = b"") -> tuple[Match, bool]:
         """Store every block of `tokens` the tree lacks, `fill` providing each one. Returns
         the path, retained for the caller, and whether all of it fitted in the pool. The path's
         last block may hold more than `tokens`; the match covers only what was asked for."""
-        node, path, n, complete = self.root, [], 0, True
+        node, path, n, complete = self.root(namespace), [], 0, True
         try:
             for start in range(0, len(tokens), self.block_size):
                 chunk = tokens[start: start + self.block_size]
@@ -211,6 +220,31 @@ class RadixTree:
 
     def _key(self, parent: Node, chunk: np.ndarray) -> bytes:
         return xxhash.xxh3_128(parent.key + chunk.astype(np.int32).tobytes()).digest()
+
+    def problems(self, held: dict[int, int]) -> list[str]:
+        """Violations of the invariants above, given how many references each slot has besides
+        the tree's (`held`): empty when all hold. For tests and the debug endpoint."""
+        found = []
+        expected = np.zeros(self.pool.n_slots, np.int64)
+        for node in self._index.values():
+            expected[node.slot] += 1
+            if node not in self._lru:
+                found.append(f"block {node.slot} is missing from the LRU list")
+            siblings = node.parent.children.get(int(node.tokens[0]), [])
+            if node not in siblings:
+                found.append(f"block {node.slot} is not among its parent's children")
+            if self._evictable(node) and self._longer_copy(node.parent, node.tokens):
+                found.append(f"block {node.slot} is an unheld strict prefix of a sibling")
+        for slot, n in held.items():
+            expected[slot] += n
+        for slot in np.flatnonzero(expected != self.pool.refcounts):
+            found.append(f"slot {slot}: {self.pool.refcounts[slot]} references, expected "
+                         f"{expected[slot]}")
+        if len(self._lru) != len(self._index):
+            found.append(f"{len(self._lru)} blocks in the LRU list, {len(self._index)} in the tree")
+        if self.pool.n_used != int((self.pool.refcounts > 0).sum()):
+            found.append("the free list disagrees with the reference counts")
+        return found
 
     def _touch(self, path: list[Node]) -> None:
         for node in reversed(path):

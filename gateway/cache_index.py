@@ -38,6 +38,7 @@ class IndexSnapshot:
 class _Plan:
     owner: int
     tokens: np.ndarray
+    namespace: bytes
     prefix: Match  # the cached blocks before `begin`, kept until the commit
     begin: int
     end: int
@@ -60,13 +61,13 @@ class CacheIndex:
     def client(self, owner: int) -> IndexClient:
         return IndexClient(self, owner)
 
-    def cached_length(self, tokens: np.ndarray) -> int:
+    def cached_length(self, tokens: np.ndarray, namespace: str) -> int:
         with self._lock:
-            return self.tree.matched_length(tokens)
+            return self.tree.matched_length(tokens, namespace.encode())
 
-    def match(self, owner: int, tokens: np.ndarray) -> Lease:
+    def match(self, owner: int, tokens: np.ndarray, namespace: str) -> Lease:
         with self._lock:
-            match = self.tree.match(tokens)
+            match = self.tree.match(tokens, namespace.encode())
             lease_id = next(self._ids)
             self._leases[lease_id] = (owner, match)
             return Lease(lease_id, match.n_tokens, tuple(match.blocks()))
@@ -77,14 +78,15 @@ class CacheIndex:
             if owner_match is not None:
                 self.tree.release(owner_match[1])
 
-    def plan_store(self, owner: int, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
+    def plan_store(self, owner: int, tokens: np.ndarray, namespace: str, final: bool,
+                   hold: bool) -> StorePlan:
         """Slots for the blocks of `tokens` from the first one the tree lacks, as many as the
         pool can free by evicting unreferenced leaves."""
-        bs = self.block_size
+        bs, space = self.block_size, namespace.encode()
         with self._lock:
-            cached = self.tree.matched_length(tokens)
+            cached = self.tree.matched_length(tokens, space)
             begin = len(tokens) if cached == len(tokens) else cached // bs * bs
-            prefix = self.tree.match(tokens[:begin])
+            prefix = self.tree.match(tokens[:begin], space)
             slots = []
             for _ in range(math.ceil((len(tokens) - begin) / bs)):
                 slot = self.tree.allocate()
@@ -93,7 +95,8 @@ class CacheIndex:
                 slots.append(slot)
             end = min(len(tokens), begin + len(slots) * bs)
             plan_id = next(self._ids)
-            self._plans[plan_id] = _Plan(owner, tokens, prefix, begin, end, slots, final, hold)
+            self._plans[plan_id] = _Plan(owner, tokens, space, prefix, begin, end, slots, final,
+                                         hold)
             return StorePlan(plan_id, begin, end, tuple(slots))
 
     def commit_store(self, plan_id: int, written: bool) -> None:
@@ -112,7 +115,7 @@ class CacheIndex:
                         return None
                     return unused.pop((start - plan.begin) // self.block_size, None)
 
-                path, complete = self.tree.insert(plan.tokens[: plan.end], fill)
+                path, complete = self.tree.insert(plan.tokens[: plan.end], fill, plan.namespace)
                 complete = complete and plan.end == len(plan.tokens)
                 plan.slots = list(unused.values())
                 if plan.hold:
@@ -136,6 +139,31 @@ class CacheIndex:
             self.pool.release(slot)
         self.tree.release(plan.prefix)
 
+    def problems(self, live_owners: set[int]) -> list[str]:
+        """Where the tree, the pool's counts, the leases and the plans disagree, and what is
+        still held for a worker that no longer runs."""
+        with self._lock:
+            held: dict[int, int] = {}
+            for _, match in self._leases.values():
+                for node in match.nodes:
+                    held[node.slot] = held.get(node.slot, 0) + 1
+            for plan in self._plans.values():
+                for node in plan.prefix.nodes:
+                    held[node.slot] = held.get(node.slot, 0) + 1
+                for slot in plan.slots:
+                    held[slot] = held.get(slot, 0) + 1
+            found = self.tree.problems(held)
+            owners = {o for o, _ in self._leases.values()} | {p.owner for p in
+                                                              self._plans.values()}
+            found += [f"worker {o} holds leases or plans but does not run"
+                      for o in sorted(owners - live_owners)]
+            return found
+
+    @property
+    def n_leases(self) -> int:
+        with self._lock:
+            return len(self._leases) + len(self._plans)
+
     def snapshot(self) -> IndexSnapshot:
         with self._lock:
             return IndexSnapshot(self.pool.n_used, self.pool.n_free, self.pool.n_held,
@@ -150,14 +178,15 @@ class IndexClient:
     index: CacheIndex
     owner: int
 
-    def match(self, tokens: np.ndarray) -> Lease:
-        return self.index.match(self.owner, tokens)
+    def match(self, tokens: np.ndarray, namespace: str) -> Lease:
+        return self.index.match(self.owner, tokens, namespace)
 
     def release(self, lease_id: int) -> None:
         self.index.release(lease_id)
 
-    def plan_store(self, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
-        return self.index.plan_store(self.owner, tokens, final, hold)
+    def plan_store(self, tokens: np.ndarray, namespace: str, final: bool,
+                   hold: bool) -> StorePlan:
+        return self.index.plan_store(self.owner, tokens, namespace, final, hold)
 
     def commit_store(self, plan_id: int, written: bool) -> None:
         self.index.commit_store(plan_id, written)

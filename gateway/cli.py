@@ -9,7 +9,8 @@ import logging
 import os
 from pathlib import Path
 
-from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
+from gateway.auth import KeyFileError, KeyRing
+from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig, Limits, WorkersConfig
 from gateway.router import POLICIES, RoutingConfig
 
 
@@ -60,6 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-memory budget of the prefix cache's KV blocks")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per cached KV block")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="one `key tenant` per line (a key may be `sha256:<hex>`); also "
+                        "PREFIXGATE_API_KEYS. Without keys the gateway is open")
+    p.add_argument("--shared-prefix-tenants", default="",
+                   help="comma-separated tenants whose prefixes share one cache namespace")
+    p.add_argument("--metrics-key", default=None,
+                   help="a bearer key /metrics and /debug/* then require")
+    p.add_argument("--max-queue", type=int, default=WorkersConfig.max_queue,
+                   help="requests that may wait for a sequence; beyond, 429 with Retry-After")
+    p.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
+                   help="largest request body (413 beyond)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most completion tokens a request may ask for (400 beyond)")
+    p.add_argument("--request-timeout", type=float, default=Limits.request_timeout,
+                   help="seconds a request may take; then a 504 (or a stream's error event) "
+                        "and everything it held is freed (0: no limit)")
+    p.add_argument("--chat-template-file", type=Path, default=None,
+                   help="a Jinja chat template to use instead of the GGUF's own")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="log every prompt and answer (off: they are never logged)")
     p.add_argument("--log-level", default="info")
     for action in p._actions:
         env_value = os.environ.get(f"PREFIXGATE_{action.dest.upper()}")
@@ -83,8 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
     from gateway.model_store import default_model_path
     from gateway.server import ServerConfig, serve
-    from gateway.workers import WorkersConfig
 
+    try:
+        keys = KeyRing.load(args.api_keys_file, os.environ.get("PREFIXGATE_API_KEYS"),
+                            frozenset(filter(None, args.shared_prefix_tenants.split(","))))
+    except KeyFileError as exc:
+        parser.error(str(exc))
     model_path = Path(args.model) if args.model else default_model_path()
     engine = EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
                           batch_tokens=args.batch_tokens, threads=args.threads,
@@ -99,10 +124,16 @@ def main(argv: list[str] | None = None) -> None:
             arena_path=args.shared_memory,
             routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                                   args.balance_rel_threshold),
-            log_level=args.log_level),
+            max_queue=args.max_queue, log_level=args.log_level),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,
+        keys=keys,
+        metrics_key=args.metrics_key,
+        limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
+                      request_timeout=args.request_timeout or None),
+        chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
+        log_prompts=args.log_prompts,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))

@@ -1,9 +1,12 @@
-"""What the engine is configured with, in a module that does not load llama.cpp (`--help` and the
-gateway's own setup read it without paying for that)."""
+"""How the gateway and its engines are configured, in a module that does not load llama.cpp
+(`--help` reads it without paying for that)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.router import RoutingConfig
 
 KV_TYPE_NAMES = ("f16", "q8_0")
 
@@ -54,3 +57,21 @@ class EngineConfig:
                             n_batch=self.batch_tokens, n_threads=self.threads,
                             kv_type=self.kv_type or "f16", flash_attn=self.flash_attn,
                             unified=True)
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    model_path: str
+    engine: EngineConfig
+    n_workers: int = 1
+    arena_path: Path | None = None  # None: a unique name under /dev/shm
+    routing: RoutingConfig = RoutingConfig()
+    max_queue: int = 128  # requests waiting for a sequence, beyond those running
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 16 << 20  # far above any prompt a context holds
+    max_tokens: int | None = None  # completion tokens a request may ask for; None: its room
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token

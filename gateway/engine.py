@@ -247,8 +247,8 @@ class Engine:
             if not self._free_slots:
                 return
             target = self._reusable(seq)
-            donor, live = self._live_prefix(target)
-            if self._prefix_in_flight(target, live, seq.pool_hint):
+            donor, live = self._live_prefix(target, seq.request.namespace)
+            if self._prefix_in_flight(target, seq.request.namespace, live, seq.pool_hint):
                 continue
             if self.unified and self._running and not self._cells_suffice(seq, live):
                 return
@@ -293,7 +293,8 @@ class Engine:
 
     def _load_cached(self, seq: _Sequence) -> None:
         try:
-            n = self.cache.load(self._reusable(seq), seq.slot, have=seq.n_past)
+            n = self.cache.load(self._reusable(seq), seq.request.namespace, seq.slot,
+                                have=seq.n_past)
         except Exception:  # the cache is an optimisation: compute the prompt instead
             log.exception("loading cached blocks failed; computing the prompt")
             return
@@ -305,25 +306,30 @@ class Engine:
         self.cells.add(seq.slot, n - seq.n_past)
         seq.n_past = n
 
-    def _live_prefix(self, tokens: np.ndarray) -> tuple[_Sequence | None, int]:
-        """The running sequence holding the longest computed prefix of `tokens`."""
+    def _live_prefix(self, tokens: np.ndarray, namespace: str) -> tuple[_Sequence | None, int]:
+        """The running sequence of the same namespace holding the longest computed prefix of
+        `tokens` (another tenant's would answer faster: a timing side channel)."""
         best, best_len = None, 0
         if not self.unified or not self.cache:  # streams share no cells; no cache, no reuse
             return best, best_len
         for other in self._running:
+            if other.request.namespace != namespace:
+                continue
             n = _common_prefix(tokens, other.kv_tokens())
             if n > best_len:
                 best, best_len = other, n
         return best, best_len
 
-    def _prefix_in_flight(self, tokens: np.ndarray, live: int, pool_hint: int) -> bool:
+    def _prefix_in_flight(self, tokens: np.ndarray, namespace: str, live: int,
+                          pool_hint: int) -> bool:
         """True while a running request is prefilling at least a block more of `tokens` than a
         live sequence or the pool (as it was when the request arrived: asking the index again
         for every waiting request at every step would cost a round trip each) can give."""
         if not self.cache:
             return False
         pending = max((_common_prefix(tokens, other.prompt[:-1]) for other in self._running
-                       if other.n_generated == 0 and other.pending > 1), default=0)
+                       if other.n_generated == 0 and other.pending > 1
+                       and other.request.namespace == namespace), default=0)
         return pending - max(live, min(pool_hint, pending)) >= self.cache.block_size
 
     # ----- one step ---------------------------------------------------------------------------
@@ -367,7 +373,8 @@ class Engine:
         victim = max(self._running, key=lambda seq: seq.admitted)
         log.info("no free KV cells: preempting a request after %d tokens", victim.n_past)
         if self.cache and victim.n_past:
-            held = self.cache.store(victim.kv_tokens(), victim.slot, final=False, hold=True)
+            held = self.cache.store(victim.kv_tokens(), victim.request.namespace, victim.slot,
+                                    final=False, hold=True)
             if held is not None:
                 victim.holds.append(held)
         self._vacate(victim)
@@ -404,12 +411,12 @@ class Engine:
             if self.cache and prompt_done and not self.unified:
                 # Without shared cells, a request arriving meanwhile takes the prompt from the
                 # pool: store it as soon as the first token is out.
-                self.cache.store(seq.kv_tokens(), seq.slot, final=False)
+                self.cache.store(seq.kv_tokens(), request.namespace, seq.slot, final=False)
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
         if self.cache and output.error is None and seq in self._running:
             # Prompt and answer, so that the next turn of a chat finds its history cached.
-            self.cache.store(seq.kv_tokens(), seq.slot, final=True)
+            self.cache.store(seq.kv_tokens(), seq.request.namespace, seq.slot, final=True)
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=seq.n_generated, cached_tokens=seq.cached)
         self._release(seq)  # before the client hears the end, so nothing of it is left then

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -22,6 +25,7 @@ class APIError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
     def body(self) -> dict:
         return {"error": {
@@ -33,7 +37,7 @@ class APIError(Exception):
 
     def response(self) -> web.Response:
         return web.Response(status=self.status, body=orjson.dumps(self.body()),
-                            content_type="application/json")
+                            content_type="application/json", headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

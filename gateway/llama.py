@@ -117,6 +117,9 @@ class Model:
             n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[: max(n, 0)]
 
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_piece(t) for t in tokens).decode(errors="replace")
+
     def token_text(self, token: int) -> str:
         if token < 0:
             return ""

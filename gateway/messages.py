@@ -33,6 +33,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # The tenant's cache namespace, set by the server from the API key, never by the client:
+    # its prefixes (in the pool and in live sequences) are shared with no other namespace.
+    namespace: str = ""
 
     @functools.cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -173,12 +176,14 @@ class Published:
 class MatchCall:
     call_id: int
     tokens: np.ndarray
+    namespace: str
 
 
 @dataclass(frozen=True)
 class PlanStoreCall:
     call_id: int
     tokens: np.ndarray
+    namespace: str
     final: bool  # the request's last store: count it if its blocks do not fit
     hold: bool  # keep the stored path referenced (a preempted request resumes from it)
 

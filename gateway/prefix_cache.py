@@ -29,9 +29,10 @@ class BlockIndex(Protocol):
     """The cache index's calls a worker makes (gateway.cache_index.IndexClient in-process,
     gateway.worker.RemoteIndex across processes)."""
 
-    def match(self, tokens: np.ndarray) -> Lease: ...
+    def match(self, tokens: np.ndarray, namespace: str) -> Lease: ...
     def release(self, lease_id: int) -> None: ...
-    def plan_store(self, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan: ...
+    def plan_store(self, tokens: np.ndarray, namespace: str, final: bool,
+                   hold: bool) -> StorePlan: ...
     def commit_store(self, plan_id: int, written: bool) -> None: ...
 
 
@@ -47,11 +48,11 @@ class PrefixCache:
         self.stats = CacheStats()
         self._assembler = SequenceAssembler(layout)
 
-    def load(self, tokens: np.ndarray, seq_id: int, have: int = 0) -> int:
+    def load(self, tokens: np.ndarray, namespace: str, seq_id: int, have: int = 0) -> int:
         """Loads cached KV for `tokens` after the first `have` positions the sequence already
         holds; returns how many positions it holds now. The blocks are in the context once
         this returns, so none of them stays held."""
-        lease = self.index.match(tokens)
+        lease = self.index.match(tokens, namespace)
         try:
             if lease.n_tokens <= have:
                 return have
@@ -74,14 +75,14 @@ class PrefixCache:
         finally:
             self.index.release(lease.lease_id)
 
-    def store(self, tokens: np.ndarray, seq_id: int, final: bool,
+    def store(self, tokens: np.ndarray, namespace: str, seq_id: int, final: bool,
               hold: bool = False) -> int | None:
         """Stores the blocks of the sequence's first len(tokens) cells that the tree lacks. A
         failure only skips caching. With `hold` the stored path stays referenced: the lease id
         to release is returned."""
         start = time.perf_counter()
         try:
-            plan = self.index.plan_store(tokens, final, hold)
+            plan = self.index.plan_store(tokens, namespace, final, hold)
         except Exception:
             log.exception("the cache index gave no slots; the request runs on uncached")
             self.stats.store_failures += 1

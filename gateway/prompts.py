@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 
 
 class PromptBuilder:
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, template: str | None = None) -> None:
         self.model = model
-        template = model.metadata.get("tokenizer.chat_template")
+        template = template or model.metadata.get("tokenizer.chat_template")
         if template is None:
             log.warning("the model has no chat template in its metadata; using ChatML")
             template = llama_chat_format.CHATML_CHAT_TEMPLATE
@@ -28,6 +28,7 @@ class PromptBuilder:
         )
 
     def chat(self, messages: list[Message]) -> list[int]:
+        """ValueError when the template refuses the messages (its raise_exception)."""
         # OpenAI's newer "developer" role is a system message to every chat template we serve.
         rendered = self._formatter(messages=[
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -42,5 +43,8 @@ class PromptBuilder:
                 raise ValueError("prompt holds a token id outside the vocabulary")
             return prompt
         if prompt == "":
+            if self.model.bos_token < 0:  # nothing to condition on: llama_decode would refuse
+                raise ValueError("prompt is empty, and this model has no BOS token to start "
+                                 "from")
             return [self.model.bos_token]
         return self.model.tokenize(prompt, add_special=True, parse_special=True)

@@ -85,8 +85,9 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_generation(self, prompt_tokens: list[int], seq_len: int,
-                      n_vocab: int) -> GenerationRequest:
+    def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
+                      max_tokens_cap: int | None = None, namespace: str = ""
+                      ) -> GenerationRequest:
         room = seq_len - len(prompt_tokens)
         if room < 1:
             raise invalid(
@@ -95,6 +96,11 @@ class _Sampling(_Strict):
                 "messages" if isinstance(self, ChatCompletionRequest) else "prompt",
                 "context_length_exceeded")
         wanted = self.requested_max_tokens()
+        if max_tokens_cap is not None:
+            if wanted is not None and wanted > max_tokens_cap:
+                raise invalid(f"max_tokens is too large: {wanted}. This server allows at most "
+                              f"{max_tokens_cap} completion tokens per request.", "max_tokens")
+            room = min(room, max_tokens_cap)
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
             max_tokens=room if wanted is None else min(wanted, room),
@@ -112,12 +118,14 @@ class _Sampling(_Strict):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logit_bias=self._token_biases(n_vocab),
+            namespace=namespace,
         )
 
     def _token_biases(self, n_vocab: int) -> dict[int, float]:
         biases = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= n_vocab:
+            # isdigit() alone admits "²" and other digits int() refuses.
+            if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
                 raise invalid(f"logit_bias key {key!r} is not a token id of this model",
                               "logit_bias")
             biases[int(key)] = bias

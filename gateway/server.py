@@ -6,6 +6,7 @@ The data path of a request reads top to bottom: parse -> prompt tokens -> engine
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import threading
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from gateway.auth import KeyRing
+from gateway.config import Limits, WorkersConfig
 from gateway.engine import EngineUnavailable
 from gateway.errors import APIError, invalid
 from gateway.llama import Model
@@ -23,12 +26,11 @@ from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from gateway.responses import ChatWriter, CompletionWriter, ResponseWriter
-from gateway.workers import GenerationHandle, Workers, WorkersConfig
+from gateway.workers import GenerationHandle, Overloaded, Workers
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
-
+RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
 
 @dataclass
 class ServerConfig:
@@ -37,6 +39,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
+    keys: KeyRing | None = None  # None: open to anyone who can reach it
+    metrics_key: str | None = None  # guards /metrics and /debug/*
+    limits: Limits = Limits()
+    chat_template: str | None = None  # instead of the GGUF's own
+    log_prompts: bool = False
 
 
 class Gateway:
@@ -60,7 +67,7 @@ class Gateway:
         try:
             model_path = self.config.workers.model_path
             self.model = Model(model_path, vocab_only=True)
-            self.prompts = PromptBuilder(self.model)
+            self.prompts = PromptBuilder(self.model, self.config.chat_template)
             self.workers.start(loop)
             engine = self.config.workers.engine
             log.info("serving %s as %r: %d worker(s), each %d parallel sequences in %d KV cells "
@@ -106,8 +113,17 @@ async def health(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
+    _require_metrics_key(request)
     body, content_type = request.app["gateway"].metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@routes.get("/debug/consistency")
+async def consistency(request: web.Request) -> web.Response:
+    """Tree, pool, leases and workers against each other (see Workers.problems)."""
+    _require_metrics_key(request)
+    problems = await asyncio.to_thread(request.app["gateway"].workers.problems)
+    return _json({"ok": not problems, "problems": problems})
 
 
 @routes.get("/v1/models")
@@ -124,7 +140,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = parse_request(ChatCompletionRequest, await request.read())
     gateway.require_model(body.model)
     # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
-    prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages)
+    try:
+        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages)
+    except ValueError as exc:  # the chat template refused the messages (raise_exception)
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
     return await _generate(request, body, prompt_tokens, ChatWriter(body.model))
 
 
@@ -144,49 +163,75 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt_tokens: list[int], writer: ResponseWriter) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
+    limits = gateway.config.limits
     generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
-                                    gateway.model.n_vocab)
+                                    gateway.model.n_vocab, limits.max_tokens,
+                                    namespace=request["namespace"])
     try:
         handle = gateway.workers.submit(generation)
+    except Overloaded as exc:
+        raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
+                       code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineUnavailable as exc:
         raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
                        ) from None
     timer = gateway.metrics.request_timer()
+    parts: list[str] = []
     try:
         if body.stream:
-            return await _stream(request, handle, writer, body.include_usage, timer)
-        return await _collect(handle, writer, timer)
+            return await _stream(request, handle, writer, body.include_usage, timer,
+                                 limits.request_timeout, parts)
+        return await _collect(handle, writer, timer, limits.request_timeout, parts)
     finally:
         handle.cancel()  # a no-op once finished; frees the sequence if the client went away
+        if gateway.config.log_prompts:
+            log.info("tenant %r prompt %r answer %r", request["tenant"],
+                     gateway.model.detokenize(prompt_tokens), "".join(parts))
 
 
-async def _collect(handle: GenerationHandle, writer: ResponseWriter, timer) -> web.Response:
-    parts = []
-    async for output in handle.outputs():
-        timer.on_output(output)
-        if output.error:
-            raise _generation_error(output)
-        parts.append(output.text)
+def _timed_out(seconds: float) -> APIError:
+    return APIError(504, f"The request did not finish within {seconds:g} s (--request-timeout)",
+                    code="timeout")
+
+
+async def _collect(handle: GenerationHandle, writer: ResponseWriter, timer,
+                   timeout: float | None, parts: list[str]) -> web.Response:
+    try:
+        async with asyncio.timeout(timeout):
+            async for output in handle.outputs():
+                timer.on_output(output)
+                if output.error:
+                    raise _generation_error(output)
+                parts.append(output.text)
+    except TimeoutError:
+        raise _timed_out(timeout) from None
     return _json(writer.whole("".join(parts), output.finish_reason, output.usage))
 
 
 async def _stream(request: web.Request, handle: GenerationHandle, writer: ResponseWriter,
-                  include_usage: bool, timer) -> web.StreamResponse:
+                  include_usage: bool, timer, timeout: float | None,
+                  parts: list[str]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
     if isinstance(writer, ChatWriter):
         await _event(response, writer.chunk("", first=True, with_usage_field=include_usage))
-    async for output in handle.outputs():
-        timer.on_output(output)
-        if output.error:
-            await _event(response, _generation_error(output).body())
-            break
-        if output.text or output.finish_reason:
-            await _event(response, writer.chunk(output.text, output.finish_reason,
-                                                with_usage_field=include_usage))
-        if output.usage and include_usage:
-            await _event(response, writer.usage_chunk(output.usage))
+    try:
+        async with asyncio.timeout(timeout):
+            async for output in handle.outputs():
+                timer.on_output(output)
+                if output.error:
+                    await _event(response, _generation_error(output).body())
+                    break
+                parts.append(output.text)
+                if output.text or output.finish_reason:
+                    await _event(response, writer.chunk(output.text, output.finish_reason,
+                                                        with_usage_field=include_usage))
+                if output.usage and include_usage:
+                    await _event(response, writer.usage_chunk(output.usage))
+    except TimeoutError:
+        await _event(response, _timed_out(timeout).body())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -226,8 +271,31 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return APIError(500, "Internal server error").response()
 
 
+@web.middleware
+async def api_keys(request: web.Request, handler) -> web.StreamResponse:
+    """/v1/* needs a key when keys are configured; the key's tenant is the cache namespace."""
+    keys: KeyRing | None = request.app["gateway"].config.keys
+    request["tenant"], request["namespace"] = None, ""
+    if keys is not None and request.path.startswith("/v1/"):
+        tenant = keys.tenant(request.headers.get("Authorization"))
+        if tenant is None:
+            raise APIError(401, "Incorrect API key provided. Pass one as `Authorization: "
+                                "Bearer <key>`.", code="invalid_api_key")
+        request["tenant"], request["namespace"] = tenant, keys.namespace(tenant)
+    return await handler(request)
+
+
+def _require_metrics_key(request: web.Request) -> None:
+    key = request.app["gateway"].config.metrics_key
+    if key is not None and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "This endpoint needs the metrics key (--metrics-key)",
+                       code="invalid_api_key")
+
+
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[openai_errors, api_keys],
+                          client_max_size=gateway.config.limits.max_body_bytes)
     app["gateway"] = gateway
     app.add_routes(routes)
     return app
@@ -235,6 +303,10 @@ def build_app(gateway: Gateway) -> web.Application:
 
 async def serve(config: ServerConfig) -> None:
     gateway = Gateway(config)
+    if config.keys is None:
+        log.warning("no API keys configured (--api-keys-file, PREFIXGATE_API_KEYS): anyone who "
+                    "can reach %s:%d may use it, and every request shares one cache namespace",
+                    config.host, config.port)
     # Cancelling the handler when its client disconnects is what frees an abandoned sequence.
     runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
     await runner.setup()

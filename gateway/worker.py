@@ -93,14 +93,16 @@ class RemoteIndex:
 
     link: _Link
 
-    def match(self, tokens: np.ndarray) -> Lease:
-        return self.link.call(lambda call_id: MatchCall(call_id, tokens))
+    def match(self, tokens: np.ndarray, namespace: str) -> Lease:
+        return self.link.call(lambda call_id: MatchCall(call_id, tokens, namespace))
 
     def release(self, lease_id: int) -> None:  # one way: nothing to wait for
         self.link.send(ReleaseLease(lease_id))
 
-    def plan_store(self, tokens: np.ndarray, final: bool, hold: bool) -> StorePlan:
-        return self.link.call(lambda call_id: PlanStoreCall(call_id, tokens, final, hold))
+    def plan_store(self, tokens: np.ndarray, namespace: str, final: bool,
+                   hold: bool) -> StorePlan:
+        return self.link.call(lambda call_id: PlanStoreCall(call_id, tokens, namespace, final,
+                                                            hold))
 
     def commit_store(self, plan_id: int, written: bool) -> None:
         self.link.send(CommitStore(plan_id, written))

@@ -23,7 +23,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import numpy as np
 
@@ -36,7 +35,7 @@ from cache.arena import (
 )
 from gateway import worker as worker_main
 from gateway.cache_index import CacheIndex
-from gateway.config import EngineConfig
+from gateway.config import WorkersConfig
 from gateway.engine import EngineUnavailable
 from gateway.messages import (
     Attach,
@@ -55,11 +54,15 @@ from gateway.messages import (
     Shutdown,
     Submit,
 )
-from gateway.router import Router, RoutingConfig, WorkerLoad
+from gateway.router import Router, WorkerLoad
 
 log = logging.getLogger(__name__)
 
 RESTART_DELAY = 1.0  # seconds before a dead worker's replacement starts
+
+
+class Overloaded(RuntimeError):
+    """Every sequence is busy and the waiting queue is full."""
 
 
 class GenerationHandle:
@@ -108,6 +111,7 @@ def _deliver_soon(loop: asyncio.AbstractEventLoop,
 class _InFlight:
     handle: GenerationHandle
     prompt: np.ndarray
+    namespace: str
 
 
 @dataclass
@@ -126,16 +130,6 @@ class WorkerProcess:
         """From the event loop or a reader thread; a dead worker's reader handles the fallout."""
         with self.send_lock, contextlib.suppress(OSError):
             self.conn.send(message)
-
-
-@dataclass(frozen=True)
-class WorkersConfig:
-    model_path: str
-    engine: EngineConfig
-    n_workers: int = 1
-    arena_path: Path | None = None  # None: a unique name under /dev/shm
-    routing: RoutingConfig = RoutingConfig()
-    log_level: str = "info"
 
 
 class Workers:
@@ -223,19 +217,24 @@ class Workers:
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
-        pool_cached = self.index.cached_length(prompt) if self.index else 0
+        namespace = request.namespace
+        pool_cached = self.index.cached_length(prompt, namespace) if self.index else 0
         with self._lock:
             ready = [w for w in self._workers if w.state == "ready"]
             if not ready:
                 raise EngineUnavailable("no engine worker is ready")
-            loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()])
-                     for w in ready]
+            in_flight = sum(len(w.requests) for w in self._workers)
+            capacity = len(ready) * self.config.engine.parallel + self.config.max_queue
+            if in_flight >= capacity:
+                raise Overloaded(f"{in_flight} requests in flight, room for {capacity}")
+            loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()
+                                              if r.namespace == namespace]) for w in ready]
             chosen, reason = self.router.choose(prompt, loads, pool_cached)
             worker = next(w for w in ready if w.worker_id == chosen.worker_id)
             request_id = next(self._ids)
             handle = GenerationHandle(self._loop,
                                       on_cancel=lambda: self._cancel(worker, request_id))
-            worker.requests[request_id] = _InFlight(handle, prompt)
+            worker.requests[request_id] = _InFlight(handle, prompt, namespace)
             worker.routed[reason] += 1
         worker.send(Submit(request_id, request, pool_cached))
         return handle
@@ -275,11 +274,12 @@ class Workers:
         elif isinstance(message, Published):
             worker.snapshot = message.snapshot
         elif isinstance(message, MatchCall):
-            worker.send(IndexReply(message.call_id,
-                                   index.match(worker.worker_id, message.tokens)))
+            worker.send(IndexReply(message.call_id, index.match(
+                worker.worker_id, message.tokens, message.namespace)))
         elif isinstance(message, PlanStoreCall):
             worker.send(IndexReply(message.call_id, index.plan_store(
-                worker.worker_id, message.tokens, message.final, message.hold)))
+                worker.worker_id, message.tokens, message.namespace, message.final,
+                message.hold)))
         elif isinstance(message, ReleaseLease):
             index.release(message.lease_id)
         elif isinstance(message, CommitStore):
@@ -357,6 +357,22 @@ class Workers:
             self._workers[self._workers.index(dead)] = replacement
 
     # ----- what /health and /metrics read --------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        """The consistency check: the index's own, and with nothing in flight, that no worker
+        holds a sequence, a cell, a lease or a plan."""
+        with self._lock:
+            live = {w.worker_id for w in self._workers if w.state != "dead"}
+            idle = not any(w.requests for w in self._workers)
+            views = [(w.worker_id, w.state, w.snapshot) for w in self._workers]
+        found = self.index.problems(live) if self.index else []
+        if idle:
+            found += [f"worker {i} is idle, yet {s.running} running, {s.waiting} waiting and "
+                      f"{s.cells_used} cells used" for i, state, s in views
+                      if state == "ready" and (s.running or s.waiting or s.cells_used)]
+            if self.index and self.index.n_leases:
+                found.append(f"nothing in flight, yet {self.index.n_leases} leases or plans")
+        return found
 
     def states(self) -> list[dict]:
         with self._lock:

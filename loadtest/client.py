@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
@@ -39,7 +38,7 @@ async def stream_chat(session: ClientSession, base_url: str, model: str, message
                     record.prompt_tokens = usage["prompt_tokens"]
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                         "cached_tokens") or 0
-    except (OSError, asyncio.TimeoutError, ClientError) as exc:
+    except (TimeoutError, OSError, ClientError) as exc:
         record.error = type(exc).__name__
     record.end = time.perf_counter()
     if not record.output_tokens:  # a server without streamed usage: one token per chunk

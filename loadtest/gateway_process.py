@@ -28,7 +28,7 @@ class ServerProcess:
     """A server started as a subprocess on a free loopback port, stopped with SIGTERM."""
 
     def __init__(self, command: list[str], health_path: str, log_path: Path,
-                 cwd: Path = ROOT) -> None:
+                 cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -36,7 +36,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command],
                                      cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=os.environ.copy())
+                                     env={**os.environ, **(env or {})})
         self._wait_healthy(health_path)
 
     def _wait_healthy(self, path: str, timeout: float = 180) -> None:
@@ -66,13 +66,17 @@ class ServerProcess:
 class GatewayProcess(ServerProcess):
     """The real gateway, as a user would start it."""
 
-    def __init__(self, model_path: Path, *args: str, source: Path = ROOT) -> None:
-        """`source`: the checkout whose gateway runs (another one for before/after figures)."""
+    def __init__(self, model_path: Path, *args: str, source: Path = ROOT,
+                 env: dict[str, str] | None = None) -> None:
+        """`source`: the checkout whose gateway runs (another one for before/after figures);
+        `env`: variables to add to this process's environment."""
         self.model_name = model_path.stem
+        self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
+            else None
         super().__init__([sys.executable, "-m", "gateway", "--model", str(model_path),
                           "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
-                         cwd=source)
+                         cwd=source, env=env)
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""
@@ -83,9 +87,18 @@ class GatewayProcess(ServerProcess):
         return {s.labels["worker"]: s.value for s in self._samples() if s.name == name}
 
     def _samples(self):
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=5) as r:
+        request = urllib.request.Request(self.base_url + "/metrics", headers={
+            "Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {})
+        with urllib.request.urlopen(request, timeout=5) as r:
             text = r.read().decode()
         return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def consistency(self) -> dict:
+        """/debug/consistency: {"ok", "problems"}."""
+        request = urllib.request.Request(self.base_url + "/debug/consistency", headers={
+            "Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.loads(r.read())
 
     def health(self) -> tuple[int, dict]:
         try:
@@ -105,4 +118,11 @@ class GatewayProcess(ServerProcess):
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine still busy: {m}")
             time.sleep(0.1)
+
+    def settled(self, timeout: float = 30) -> dict[str, float]:
+        """wait_idle(), then the gateway's consistency check: nothing held, nothing leaked."""
+        metrics = self.wait_idle(timeout)
+        problems = self.consistency()["problems"]
+        assert not problems, problems
+        return metrics
 

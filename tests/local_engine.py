@@ -43,7 +43,7 @@ class LocalEngine:
         handle = GenerationHandle(asyncio.get_running_loop(), on_cancel=self.engine.wake)
         prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
         self.engine.submit(request, handle,
-                           self.index.cached_length(prompt) if self.index else 0)
+                           self.index.cached_length(prompt, request.namespace) if self.index else 0)
         return handle
 
     def settled(self) -> EngineSnapshot:

@@ -15,11 +15,12 @@ def tokens(*values: int) -> np.ndarray:
 
 def only_the_tree_holds(index: CacheIndex) -> bool:
     refcounts = index.pool.refcounts
-    return bool((refcounts[refcounts > 0] == 1).all()) and index.pool.n_used == len(index.tree)
+    return (bool((refcounts[refcounts > 0] == 1).all()) and index.pool.n_used == len(index.tree)
+            and index.problems(live_owners={0, 1}) == [])
 
 
 def store(index: CacheIndex, owner: int, prompt: np.ndarray, hold: bool = False) -> int:
-    plan = index.plan_store(owner, prompt, final=True, hold=hold)
+    plan = index.plan_store(owner, prompt, "", final=True, hold=hold)
     index.commit_store(plan.plan_id, written=True)
     return plan.plan_id
 
@@ -27,22 +28,22 @@ def store(index: CacheIndex, owner: int, prompt: np.ndarray, hold: bool = False)
 def test_a_plan_covers_only_the_missing_blocks_and_joins_the_tree_on_commit():
     index = CacheIndex(8, BLOCK)
     prompt = np.arange(10, dtype=np.int32)
-    first = index.plan_store(0, prompt, final=True, hold=False)
+    first = index.plan_store(0, prompt, "", final=True, hold=False)
     assert (first.begin, first.end, len(first.slots)) == (0, 10, 3)
-    assert index.cached_length(prompt) == 0  # not matchable before its bytes are written
+    assert index.cached_length(prompt, "") == 0  # not matchable before its bytes are written
     index.commit_store(first.plan_id, written=True)
-    assert index.cached_length(prompt) == 10
+    assert index.cached_length(prompt, "") == 10
     longer = np.arange(14, dtype=np.int32)
-    second = index.plan_store(1, longer, final=True, hold=False)
+    second = index.plan_store(1, longer, "", final=True, hold=False)
     # The partial third block [8, 10) is extended by a copy: copy-on-write, never in place.
     assert (second.begin, second.end, len(second.slots)) == (8, 14, 2)
     index.commit_store(second.plan_id, written=True)
-    assert index.cached_length(longer) == 14 and only_the_tree_holds(index)
+    assert index.cached_length(longer, "") == 14 and only_the_tree_holds(index)
 
 
 def test_an_unwritten_plan_gives_its_slots_back():
     index = CacheIndex(8, BLOCK)
-    plan = index.plan_store(0, np.arange(8, dtype=np.int32), final=True, hold=False)
+    plan = index.plan_store(0, np.arange(8, dtype=np.int32), "", final=True, hold=False)
     assert index.pool.n_used == 2
     index.commit_store(plan.plan_id, written=False)
     assert index.pool.n_used == 0 and len(index.tree) == 0
@@ -52,8 +53,8 @@ def test_an_unwritten_plan_gives_its_slots_back():
 def test_two_workers_storing_the_same_blocks_keep_one_copy():
     index = CacheIndex(8, BLOCK)
     prompt = np.arange(8, dtype=np.int32)
-    a = index.plan_store(0, prompt, final=True, hold=False)
-    b = index.plan_store(1, prompt, final=True, hold=False)
+    a = index.plan_store(0, prompt, "", final=True, hold=False)
+    b = index.plan_store(1, prompt, "", final=True, hold=False)
     assert index.pool.n_used == 4  # both are writing
     index.commit_store(a.plan_id, written=True)
     index.commit_store(b.plan_id, written=True)
@@ -64,14 +65,14 @@ def test_the_prefix_a_plan_hangs_from_is_not_evicted_before_its_commit():
     index = CacheIndex(3, BLOCK)
     shared = tokens(1, 1, 1, 1)
     store(index, 0, shared)
-    plan = index.plan_store(0, np.concatenate([shared, tokens(2, 2, 2, 2)]), final=True,
+    plan = index.plan_store(0, np.concatenate([shared, tokens(2, 2, 2, 2)]), "", final=True,
                             hold=False)
     # Another prompt needs room: only unreferenced leaves may go, and the plan holds its prefix.
-    other = index.plan_store(1, tokens(3, 3, 3, 3, 4, 4, 4, 4), final=True, hold=False)
+    other = index.plan_store(1, tokens(3, 3, 3, 3, 4, 4, 4, 4), "", final=True, hold=False)
     assert len(other.slots) == 1 and index.pool.n_free == 0
     index.commit_store(plan.plan_id, written=True)
     index.commit_store(other.plan_id, written=True)
-    assert index.cached_length(np.concatenate([shared, tokens(2, 2, 2, 2)])) == 8
+    assert index.cached_length(np.concatenate([shared, tokens(2, 2, 2, 2)]), "") == 8
 
 
 def test_a_held_store_is_a_lease_until_released():
@@ -87,11 +88,24 @@ def test_a_dead_workers_leases_and_plans_are_all_returned():
     index = CacheIndex(16, BLOCK)
     prompt = np.arange(12, dtype=np.int32)
     store(index, 0, prompt)
-    index.match(0, prompt)  # loading when it died
+    index.match(0, prompt, "")  # loading when it died
     store(index, 0, np.arange(100, 108, dtype=np.int32), hold=True)  # preempted, held
-    index.plan_store(0, np.arange(200, 208, dtype=np.int32), final=True, hold=False)  # writing
-    survivor = index.match(1, prompt)  # another worker's lease survives
+    index.plan_store(0, np.arange(200, 208, dtype=np.int32), "", final=True,
+                     hold=False)  # writing
+    survivor = index.match(1, prompt, "")  # another worker's lease survives
+    assert index.problems(live_owners={1}) == ["worker 0 holds leases or plans but does not run"]
     index.release_owner(0)
+    assert index.problems(live_owners={1}) == []
     assert index.snapshot().blocks_held == 3
     index.release(survivor.lease_id)
-    assert only_the_tree_holds(index) and index.cached_length(prompt) == 12
+    assert only_the_tree_holds(index) and index.cached_length(prompt, "") == 12
+
+
+def test_namespaces_never_share_blocks():
+    index = CacheIndex(8, BLOCK)
+    prompt = np.arange(8, dtype=np.int32)
+    plan = index.plan_store(0, prompt, "tenant-a", final=True, hold=False)
+    index.commit_store(plan.plan_id, written=True)
+    assert index.cached_length(prompt, "tenant-a") == 8
+    assert index.cached_length(prompt, "tenant-b") == 0
+    assert index.match(0, prompt, "tenant-b").n_tokens == 0

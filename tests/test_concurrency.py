@@ -32,7 +32,7 @@ def test_eight_concurrent_streams_equal_their_solo_runs(deterministic_gateway, m
         for _ in range(2):
             together = list(pool.map(lambda job: _stream(client, model_name, *job), jobs))
             assert together == alone
-    deterministic_gateway.wait_idle()
+    deterministic_gateway.settled()
 
 
 def test_more_requests_than_sequences_queue_and_complete(deterministic_gateway, model_name):
@@ -42,7 +42,7 @@ def test_more_requests_than_sequences_queue_and_complete(deterministic_gateway, 
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(lambda job: _stream(client, model_name, *job), jobs))
     assert together == [alone[q] for q, _ in jobs]
-    deterministic_gateway.wait_idle()
+    deterministic_gateway.settled()
 
 
 def test_default_mode_serves_more_requests_than_sequences(client, model_name, gateway):
@@ -50,5 +50,5 @@ def test_default_mode_serves_more_requests_than_sequences(client, model_name, ga
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(lambda job: _stream(client, model_name, *job), jobs))
     assert all(together)
-    metrics = gateway.wait_idle()
+    metrics = gateway.settled()
     assert metrics["prefixgate_kv_cells_used"] == 0

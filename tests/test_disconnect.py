@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 
 import aiohttp
 
@@ -47,7 +48,7 @@ def test_abandoned_requests_free_their_sequences(gateway, client, model_name):
         max_tokens=12, temperature=0).choices[0].message.content
     for _ in range(2):
         abandon_many(gateway.base_url, model_name)
-        metrics = gateway.wait_idle(timeout=10)
+        metrics = gateway.settled(timeout=10)
         assert metrics["prefixgate_num_requests_running"] == 0
     after = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Name a colour."}],
@@ -66,3 +67,38 @@ def test_stream_events_are_json_until_done(gateway, model_name):
     assert events[-1] == b"data: [DONE]"
     for event in events[:-1]:
         assert event.startswith(b"data: ") and "choices" in json.loads(event[6:])
+
+
+async def _cut_at(session: aiohttp.ClientSession, url: str, body: dict, seconds: float) -> int:
+    """Reads a stream for `seconds` (or until it ends), then drops the connection."""
+    async with session.post(url, json=body) as response:
+        if response.status == 200:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    while await response.content.readline():
+                        pass
+        return response.status
+
+
+def test_a_storm_of_200_cut_streams_leaves_nothing_held(gateway, client, model_name):
+    question = [{"role": "user", "content": "Describe a harbour at dawn."}]
+    before = client.chat.completions.create(model=model_name, messages=question, max_tokens=16,
+                                            temperature=0).choices[0].message.content
+    rng = random.Random(7)
+
+    async def storm() -> list[int]:
+        url = gateway.base_url + "/v1/chat/completions"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            return await asyncio.gather(*(
+                _cut_at(session, url, _body(model_name, f"Story {i}, part {rng.randint(1, 99)}.",
+                                            True), rng.uniform(0.0, 4.0))
+                for i in range(200)))
+
+    statuses = asyncio.run(storm())
+    assert set(statuses) <= {200, 429} and statuses.count(200) > 100
+    metrics = gateway.settled(timeout=60)  # includes the consistency check
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+    assert metrics["prefixgate_kv_cells_used"] == 0
+    after = client.chat.completions.create(model=model_name, messages=question, max_tokens=16,
+                                           temperature=0).choices[0].message.content
+    assert after == before

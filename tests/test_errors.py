@@ -97,4 +97,4 @@ def test_server_still_serves_after_errors(gateway, client, model_name):
             call(gateway, path, body)
     r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4)
     assert r.usage.completion_tokens >= 1
-    gateway.wait_idle()
+    gateway.settled()

@@ -90,7 +90,7 @@ def test_preemption_through_the_server(model_path, model_name):
         with ThreadPoolExecutor(len(TOPICS)) as pool:
             results = list(pool.map(ask, TOPICS))
         assert results == [("length", 100)] * len(TOPICS)
-        metrics = server.wait_idle()
+        metrics = server.settled()
         assert metrics["prefixgate_num_preemptions_total"] > 0
         assert metrics["prefixgate_kv_cells_used"] == 0
         assert metrics["prefixgate_kv_pool_blocks_held"] == 0

@@ -111,7 +111,7 @@ def test_concurrent_requests_share_a_new_prefix_exactly(deterministic_gateway,
     assert [w[0] for w in warm] == [c[0] for c in cold]
     # Arrivals during the first prefill wait for its blocks instead of computing them again.
     assert sum(w[1].prompt_tokens_details.cached_tokens > 100 for w in warm) >= 6
-    assert gateway.wait_idle()["prefixgate_kv_pool_blocks_held"] == 0
+    assert gateway.settled()["prefixgate_kv_pool_blocks_held"] == 0
 
 
 def test_concurrent_requests_share_live_cells(client, model_name, gateway):
@@ -125,7 +125,7 @@ def test_concurrent_requests_share_live_cells(client, model_name, gateway):
                              questions))
     assert all(text for text, _ in warm)
     assert sum(usage.prompt_tokens_details.cached_tokens > 100 for _, usage in warm) >= 6
-    metrics = gateway.wait_idle()
+    metrics = gateway.settled()
     assert metrics["prefixgate_prefix_shared_tokens_total"] - before > 600
     assert metrics["prefixgate_kv_cells_used"] == 0
     assert metrics["prefixgate_kv_pool_blocks_held"] == 0
@@ -153,7 +153,7 @@ def test_eviction_under_a_small_pool(small_pool_gateway, uncached_client, model_
 
     for prompt in prompts:
         assert complete(client, prompt)[0] == complete(uncached_client, prompt)[0]
-    metrics = small_pool_gateway.wait_idle()
+    metrics = small_pool_gateway.settled()
     assert metrics["prefixgate_prefix_cache_evictions_total"] > 0
     assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 6 << 20
     assert metrics["prefixgate_kv_pool_blocks_used"] <= 4
@@ -166,6 +166,6 @@ def test_eviction_under_a_small_pool(small_pool_gateway, uncached_client, model_
 
 def test_abandoned_requests_return_the_pool_to_idle(gateway: GatewayProcess):
     abandon_many(gateway.base_url, gateway.model_name)
-    metrics = gateway.wait_idle(timeout=10)
+    metrics = gateway.settled(timeout=10)
     assert metrics["prefixgate_kv_pool_blocks_held"] == 0
     assert metrics["prefixgate_kv_pool_blocks_used"] > 0  # what they computed stays cached

@@ -13,17 +13,18 @@ from cache.radix_tree import Match, RadixTree
 BLOCK = 4
 SLOTS = 12
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=6 * BLOCK)
+namespaces = st.sampled_from([b"", b"tenant-a", b"tenant-b"])
 
 
 class Blocks:
     """A pool and its tree, with block bytes in a plain array: each block holds its tokens."""
 
-    def __init__(self, n_slots: int, salt: bytes = b"") -> None:
+    def __init__(self, n_slots: int) -> None:
         self.pool = BlockPool(n_slots, BLOCK)
-        self.tree = RadixTree(self.pool, salt=salt)
+        self.tree = RadixTree(self.pool)
         self.bytes = np.zeros((n_slots, BLOCK * 4), np.uint8)
 
-    def insert(self, tokens: np.ndarray) -> tuple[Match, bool]:
+    def insert(self, tokens: np.ndarray, namespace: bytes = b"") -> tuple[Match, bool]:
         def fill(start: int, end: int) -> int | None:
             slot = self.tree.allocate()
             if slot is not None:
@@ -31,7 +32,7 @@ class Blocks:
                 self.bytes[slot, : (end - start) * 4] = np.frombuffer(
                     tokens[start:end].tobytes(), np.uint8)
             return slot
-        return self.tree.insert(tokens, fill)
+        return self.tree.insert(tokens, fill, namespace)
 
     def block(self, slot: int) -> np.ndarray:
         return self.bytes[slot]
@@ -44,18 +45,20 @@ def block_content(node) -> bytes:
 class TreeAndPool(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = Blocks(SLOTS, salt=b"tenant")
+        self.blocks = Blocks(SLOTS)
         self.pool, self.tree = self.blocks.pool, self.blocks.tree
         self.held: list[tuple[Match, list[bytes]]] = []
+        self.inserted: dict[bytes, list[np.ndarray]] = {}  # what each namespace ever stored
 
     def _hold(self, match: Match) -> None:
         self.held.append((match, [bytes(self.blocks.block(n.slot)) for n in match.nodes]))
 
-    @rule(tokens=token_lists)
-    def insert(self, tokens):
+    @rule(tokens=token_lists, namespace=namespaces)
+    def insert(self, tokens, namespace):
         arr = np.array(tokens, np.int32)
         used_before = self.pool.n_used
-        match, complete = self.blocks.insert(arr)
+        match, complete = self.blocks.insert(arr, namespace)
+        self.inserted.setdefault(namespace, []).append(arr)
         self._check_blocks(match, arr)
         if complete:
             assert match.n_tokens == len(arr)
@@ -63,12 +66,16 @@ class TreeAndPool(RuleBasedStateMachine):
             assert self.pool.n_free == 0 or used_before == self.pool.n_slots
         self._hold(match)
 
-    @rule(tokens=token_lists)
-    def match(self, tokens):
+    @rule(tokens=token_lists, namespace=namespaces)
+    def match(self, tokens, namespace):
         arr = np.array(tokens, np.int32)
-        expected_length = self.tree.matched_length(arr)
-        m = self.tree.match(arr)
+        expected_length = self.tree.matched_length(arr, namespace)
+        m = self.tree.match(arr, namespace)
         assert m.n_tokens == expected_length
+        # Only what this namespace stored: another tenant's identical prompt never matches.
+        n = m.n_tokens
+        assert n == 0 or any(len(x) >= n and np.array_equal(x[:n], arr[:n])
+                             for x in self.inserted.get(namespace, []))
         self._check_blocks(m, arr)
         self._hold(m)
 
@@ -95,6 +102,12 @@ class TreeAndPool(RuleBasedStateMachine):
         assert np.array_equal(self.pool.refcounts, expected)
         assert self.pool.n_used <= self.pool.n_slots
         assert self.pool.n_used == int((expected > 0).sum())
+        # The tree's own check (the debug endpoint's) agrees.
+        held: dict[int, int] = {}
+        for match, _ in self.held:
+            for node in match.nodes:
+                held[node.slot] = held.get(node.slot, 0) + 1
+        assert self.tree.problems(held) == []
 
     @invariant()
     def held_blocks_are_never_evicted_or_written(self):

@@ -78,7 +78,7 @@ def test_a_prefix_one_worker_computed_is_loaded_by_the_other(
         cold, _ = ask(openai_client(deterministic_uncached_gateway), model_name,
                       system_chat("Where is the pilot boat?", SYSTEM))
         assert text == cold
-        assert server.wait_idle()["prefixgate_kv_pool_blocks_held"] == 0
+        assert server.settled()["prefixgate_kv_pool_blocks_held"] == 0
     finally:
         server.stop()
 
@@ -115,7 +115,7 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
     assert next(w for w in ready["workers"] if w["id"] == 0)["pid"] != victim["pid"]
     after = [complete(client, model_name, p) for p in (prompts[0], prompts[2], prompts[0])]
     assert after[0] == after[2] == first
-    metrics = server.wait_idle()
+    metrics = server.settled()
     assert metrics["prefixgate_kv_pool_blocks_held"] == 0
     assert metrics["prefixgate_kv_cells_used"] == 0
     # Nothing of the killed request stayed in the pool: the same requests on a fresh gateway,
@@ -126,7 +126,7 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
         expected = [complete(fresh_client, model_name, p)
                     for p in (prompts[0], prompts[0], prompts[2], prompts[0])]
         assert expected[1:] == after
-        assert fresh.wait_idle()["prefixgate_kv_pool_blocks_used"] == \
+        assert fresh.settled()["prefixgate_kv_pool_blocks_used"] == \
             metrics["prefixgate_kv_pool_blocks_used"]
     finally:
         fresh.stop()

@@ -1,0 +1,91 @@
+"""Malformed requests, generated: every answer is a 4xx in OpenAI's shape (or a 200 when the
+mutation happened to stay valid), never a 5xx or a hang, and the server serves on."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
+CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded", "",
+                 "multipart/form-data; boundary=x", "application/json; charset=latin-1"]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12)
+# Everything a client may send except the lengths: a valid mutation must stay short to run.
+FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "stop", "seed", "n",
+          "stream", "stream_options", "logit_bias", "presence_penalty", "response_format",
+          "tools", "user", "logprobs", "echo", "min_p", "repetition_penalty", "unknown_field"]
+
+
+def valid_body(endpoint: str, model: str) -> dict:
+    body = {"model": model, "max_tokens": 1, "temperature": 0}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    return body
+
+
+@st.composite
+def requests(draw, model: str) -> tuple[str, bytes, str]:
+    endpoint = draw(st.sampled_from(ENDPOINTS))
+    kind = draw(st.sampled_from(["mutated", "random", "bytes", "nested", "huge", "roles"]))
+    body = valid_body(endpoint, model)
+    if kind == "mutated":
+        for field in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3)):
+            body[field] = draw(json_values)
+        if draw(st.booleans()):
+            body.pop(draw(st.sampled_from(sorted(body))), None)
+        data = json.dumps(body).encode()
+    elif kind == "random":
+        data = json.dumps(draw(json_values)).encode()
+    elif kind == "bytes":  # invalid UTF-8 among the rest
+        data = draw(st.binary(max_size=64)) + b"\xff\xfe"
+    elif kind == "nested":
+        depth = draw(st.integers(100, 100_000))
+        data = b'{"model": ' + b"[" * depth + b"]" * depth + b"}"
+    elif kind == "huge":  # far past the context, well under the body limit
+        content = "many words " * draw(st.integers(50_000, 200_000))
+        key = "messages" if "messages" in body else "prompt"
+        body[key] = [{"role": "user", "content": content}] if key == "messages" else content
+        data = json.dumps(body).encode()
+    else:
+        body["messages"] = [{"role": draw(st.text(max_size=10)), "content": "Hi"}]
+        data = json.dumps(body).encode()
+    return endpoint, data, draw(st.sampled_from(CONTENT_TYPES))
+
+
+def post(base_url: str, endpoint: str, data: bytes, content_type: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(base_url + endpoint, data=data, method="POST",
+                                     headers={"Content-Type": content_type} if content_type
+                                     else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_malformed_requests_get_4xx_in_openai_shape(gateway, model_name):
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.data())
+    def check(data):
+        endpoint, body, content_type = data.draw(requests(model_name))
+        status, answer = post(gateway.base_url, endpoint, body, content_type)
+        assert status < 500, (status, answer[:300])
+        if status >= 400:
+            error = json.loads(answer)["error"]
+            assert error["message"] and error["type"]
+
+    check()
+    assert gateway.health()[0] == 200
+    gateway.settled()

@@ -1,0 +1,225 @@
+"""API keys and tenant-isolated caches, admission control, limits, and the faults found in
+review, each against the real server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.prompts import PromptBuilder
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+
+KEYS = {"key-of-a": "tenant-a", "key-of-b": "tenant-b", "key-of-c": "tenant-c",
+        "key-of-d": "tenant-d"}
+METRICS_KEY = "metrics-secret"
+# ~400 tokens: cold it takes seconds to compute here, cached a fraction of that.
+PROMPT = "The lighthouse keeper logged the weather, the ships and the tides every hour. " * 24
+
+
+def client_for(server: GatewayProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(model_path, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "keys"
+    lines = ["# key tenant", "key-of-a tenant-a",
+             f"sha256:{hashlib.sha256(b'key-of-b').hexdigest()} tenant-b"]
+    keys_file.write_text("\n".join(lines) + "\n")
+    server = GatewayProcess(model_path, "--parallel", "4", "--ctx-size", "4096",
+                            "--api-keys-file", str(keys_file), "--metrics-key", METRICS_KEY,
+                            "--shared-prefix-tenants", "tenant-c,tenant-d",
+                            env={"PREFIXGATE_API_KEYS": "key-of-c tenant-c, key-of-d tenant-d"})
+    yield server
+    server.stop()
+
+
+def timed_completion(client: openai.OpenAI, model: str, prompt: str):
+    start = time.perf_counter()
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    ttft, usage = None, None
+    for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].text:
+            ttft = time.perf_counter() - start
+        usage = chunk.usage or usage
+    return ttft, usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_missing_or_wrong_key_is_a_401_in_openai_shape(keyed_gateway, model_name):
+    with pytest.raises(urllib.error.HTTPError) as missing:  # no Authorization header at all
+        urllib.request.urlopen(keyed_gateway.base_url + "/v1/models", timeout=5)
+    assert missing.value.code == 401
+    assert json.loads(missing.value.read())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError) as raised:
+        client_for(keyed_gateway, "not-a-key").models.list()
+    assert raised.value.status_code == 401 and raised.value.body["code"] == "invalid_api_key"
+    assert client_for(keyed_gateway, "key-of-b").models.list().data[0].id == model_name
+    assert keyed_gateway.health()[0] == 200  # /health stays open
+
+
+def test_metrics_and_debug_need_the_metrics_key(keyed_gateway):
+    for path in ("/metrics", "/debug/consistency"):
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(keyed_gateway.base_url + path, timeout=5)
+        assert raised.value.code == 401
+    assert keyed_gateway.metrics()["prefixgate_kv_cells_total"] > 0  # sent with the key
+    assert keyed_gateway.consistency()["ok"]
+
+
+def test_a_tenant_never_hits_another_tenants_prefix(keyed_gateway, model_name):
+    a, b = client_for(keyed_gateway, "key-of-a"), client_for(keyed_gateway, "key-of-b")
+    cold_ttft, cold_cached = timed_completion(a, model_name, PROMPT)
+    warm_ttft, warm_cached = timed_completion(a, model_name, PROMPT)
+    assert cold_cached == 0 and warm_cached > 300
+    other_ttft, other_cached = timed_completion(b, model_name, PROMPT)
+    # Tenant B learns nothing: no cached tokens, and a cold prompt's time to first token.
+    assert other_cached == 0
+    assert other_ttft > 0.5 * cold_ttft and other_ttft > 2 * warm_ttft
+    keyed_gateway.settled()
+
+
+def test_named_tenants_share_one_namespace(keyed_gateway, model_name):
+    c, d = client_for(keyed_gateway, "key-of-c"), client_for(keyed_gateway, "key-of-d")
+    prompt = "Shared by the harbour's two offices: " + PROMPT
+    assert timed_completion(c, model_name, prompt)[1] == 0
+    assert timed_completion(d, model_name, prompt)[1] > 300
+
+
+@pytest.fixture(scope="module")
+def small_gateway(model_path):
+    """Room for 2 running and 2 waiting requests; short time and token limits. Deterministic,
+    so that a batched request's output is its output alone."""
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "4096", "--deterministic",
+                            "--max-queue", "2", "--max-tokens", "64", "--request-timeout", "4",
+                            "--max-body-mb", "0.05")
+    yield server
+    server.stop()
+
+
+async def _burst(server: GatewayProcess, model: str, n: int) -> list[tuple[int, dict, dict]]:
+    async def one(session: aiohttp.ClientSession, i: int):
+        async with session.post(server.base_url + "/v1/completions", json={
+                "model": model, "prompt": f"Story {i}: once upon a time", "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    async with aiohttp.ClientSession() as session:
+        return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+
+def test_an_overload_burst_gets_429s_and_the_admitted_finish_correctly(small_gateway,
+                                                                       model_name):
+    client = openai_client(small_gateway)
+    results = asyncio.run(_burst(small_gateway, model_name, 40))  # ten times the room for 4
+    admitted = [(i, body) for i, (status, _, body) in enumerate(results) if status == 200]
+    refused = [(headers, body) for status, headers, body in results if status == 429]
+    assert len(admitted) + len(refused) == 40 and len(admitted) >= 4 and refused
+    for headers, body in refused:
+        assert int(headers["Retry-After"]) >= 1
+        assert body["error"]["type"] == "rate_limit_error"
+    for i, body in admitted:  # each as it would have been alone
+        alone = client.completions.create(model=model_name, prompt=f"Story {i}: once upon a time",
+                                          max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert body["choices"][0]["text"] == alone.choices[0].text
+    metrics = small_gateway.settled()
+    assert metrics["prefixgate_kv_pool_bytes_used"] <= metrics["prefixgate_kv_pool_bytes_capacity"]
+
+
+def test_a_request_past_its_timeout_ends_and_frees_everything(small_gateway, model_name):
+    # A prompt near the context's size: computing it takes longer than the 4 s allowed.
+    long_prompt = dict(model=model_name, prompt="word " * 1900, max_tokens=8, temperature=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        openai_client(small_gateway).completions.create(**long_prompt)
+    assert raised.value.status_code == 504 and raised.value.body["code"] == "timeout"
+    events = stream_events(small_gateway, {**long_prompt, "stream": True})
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+    small_gateway.settled()
+
+
+def stream_events(server: GatewayProcess, body: dict) -> list[dict | str]:
+    request = urllib.request.Request(server.base_url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                data = line[6:].strip().decode()
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_max_tokens_cap_and_body_size_limit(small_gateway, model_name):
+    client = openai_client(small_gateway)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=65)
+    assert raised.value.body["param"] == "max_tokens"
+    r = client.completions.create(model=model_name, prompt="Hi", temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 64
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model=model_name, prompt="x " * 40_000, max_tokens=1)
+    assert raised.value.status_code == 413
+
+
+def test_a_logit_bias_key_of_unicode_digits_is_a_400(client, model_name):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=1,
+                                  logit_bias={"²": 5})
+    assert raised.value.body["param"] == "logit_bias"
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+    "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + "
+    "' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_chat_template_that_rejects_the_messages_is_a_400(model_path, model_name, tmp_path):
+    template = tmp_path / "mistral.jinja"
+    template.write_text(MISTRAL_TEMPLATE)
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--chat-template-file", str(template))
+    try:
+        client = openai_client(server)
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=model_name, max_tokens=2, messages=[
+                {"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}])
+        assert "alternate" in raised.value.body["message"]
+        assert raised.value.body["param"] == "messages"
+        ok = client.chat.completions.create(model=model_name, max_tokens=2, messages=[
+            {"role": "user", "content": "Hi"}])
+        assert ok.choices[0].finish_reason in ("length", "stop")
+    finally:
+        server.stop()
+
+
+def test_an_empty_prompt_for_a_model_without_bos_is_refused():
+    model = SimpleNamespace(metadata={"tokenizer.chat_template": "{{ messages }}"},
+                            bos_token=-1, eos_token=2, n_vocab=10,
+                            token_text=lambda t: "" if t < 0 else "</s>")
+    with pytest.raises(ValueError, match="no BOS"):
+        PromptBuilder(model).completion("")
+
+
+def test_help_does_not_load_llama_cpp():
+    probe = ("import sys\nfrom gateway.cli import build_parser\nbuild_parser().format_help()\n"
+             "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'")
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
