@@ -102,7 +102,11 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
                               args=(server, model_name, prompts[1], started, events))
     reader.start()
     assert started.wait(60)
-    assert server.per_worker("prefixgate_worker_requests_running")["0"] == 1
+    # The worker's snapshot follows the step's outputs: wait for it to say so.
+    deadline = time.monotonic() + 10
+    while server.per_worker("prefixgate_worker_requests_running")["0"] != 1:
+        assert time.monotonic() < deadline, "worker 0 does not run the stream"
+        time.sleep(0.05)
     os.kill(victim["pid"], signal.SIGKILL)
     reader.join(60)
     # The stream ends with an error event in OpenAI's shape, then [DONE].
