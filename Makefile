@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 
-.PHONY: setup serve test lint bench
+.PHONY: setup serve test lint bench system-deps
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,19 @@ serve: setup
 lint: setup
 	$(PY) -m ruff check .
 
-test: lint
+test: lint system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# What the tests run besides Python: a real redis-server, and docker-compose to validate
+# compose.yaml. Installed with apt when missing (as root, on Debian or Ubuntu).
+SYSTEM_DEPS := redis-server docker-compose
+system-deps:
+	@missing=""; for tool in $(SYSTEM_DEPS); do command -v $$tool >/dev/null || \
+		missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 
 # The side-by-side benchmark (tens of minutes): installs llama-cpp-python's server, builds
 # llama-server once, runs every system and writes docs/benchmarks.md with its plots.

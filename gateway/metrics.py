@@ -120,6 +120,23 @@ class _EngineCollector(Collector):
 
         for name, field, help_text in _CACHE_COUNTERS:
             yield CounterMetricFamily(name, help_text, value=cache_total(field))
+        tier = workers.tier_stats()
+        hits = CounterMetricFamily("prefixgate_prefix_cache_tier_hits",
+                                   "Prompt tokens served from each cache tier instead of computed",
+                                   labels=["tier"])
+        hits.add_metric(["pool"], cache_total("hit_tokens"))
+        hits.add_metric(["redis"], tier.hit_tokens)
+        yield hits
+        stores = CounterMetricFamily("prefixgate_prefix_cache_tier_stores",
+                                     "KV blocks written to each cache tier", labels=["tier"])
+        stores.add_metric(["redis"], tier.stored_blocks)
+        yield stores
+        errors = CounterMetricFamily("prefixgate_prefix_cache_tier_errors",
+                                     "Failed calls to a cache tier (timeouts, errors, values that "
+                                     "did not verify): each only skipped the tier",
+                                     labels=["tier"])
+        errors.add_metric(["redis"], tier.errors)
+        yield errors
         snap = index.snapshot()
         yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
                                   "KV blocks evicted to make room", value=snap.evictions)

@@ -54,6 +54,7 @@ from gateway.messages import (
     Shutdown,
     Submit,
 )
+from gateway.redis_tier import TierStats
 from gateway.router import Router, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -373,6 +374,9 @@ class Workers:
             if self.index and self.index.n_leases:
                 found.append(f"nothing in flight, yet {self.index.n_leases} leases or plans")
         return found
+
+    def tier_stats(self) -> TierStats:
+        return TierStats()
 
     def states(self) -> list[dict]:
         with self._lock:

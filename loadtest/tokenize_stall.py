@@ -2,10 +2,10 @@
 
     python -m loadtest.tokenize_stall [--source DIR]
 
-4 streams generate 200 tokens each; meanwhile 4 chat requests arrive one after another, each a
-single message a little longer than the 16,384-token context, so the gateway renders the chat
-template and tokenizes ~70 KB of text before it answers 400 `context_length_exceeded` (no prefill
-runs: whatever stalls the streams is that work). Printed: the inter-token latency of the streams
+4 streams generate 200 tokens each; meanwhile 3 bursts of 8 chat requests arrive, each a single
+message of ~68,000 tokens (~280 KB of text), so the gateway renders the chat template and
+tokenizes it before it answers 400 `context_length_exceeded` (no prefill runs: whatever stalls
+the streams is that work). Printed: the inter-token latency of the streams
 while those requests are being answered (p50, p99, max) and the time each took to be refused.
 `--source` runs the gateway from another checkout (a `git worktree` of d1102ab, whose handlers
 tokenized on the event loop) for the figure before.
@@ -28,9 +28,9 @@ from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, GatewayProcess
 
 STREAMS = 4
-HUGE = 4
-# ~17,000 tokens of this model's vocabulary: just past a 16,384-token context.
-HUGE_TEXT = "The ledger of the harbour records every ship, its cargo and its crew. " * 1200
+BURSTS, BURST = 3, 8
+# ~68,000 tokens of this model's vocabulary: past any context it serves.
+HUGE_TEXT = "The ledger of the harbour records every ship, its cargo and its crew. " * 4800
 
 
 async def measure(server: GatewayProcess, model: str) -> dict:
@@ -41,14 +41,17 @@ async def measure(server: GatewayProcess, model: str) -> dict:
             {"ignore_eos": True})) for i in range(STREAMS)]
         await asyncio.sleep(2.0)  # the streams are generating
         start = time.perf_counter()  # the clock of the records' chunk times
-        refusals = []
-        for _ in range(HUGE):
+        async def refused() -> float:
             sent = time.perf_counter()
             async with session.post(server.base_url + "/v1/chat/completions", json={
                     "model": model, "max_tokens": 1,
                     "messages": [{"role": "user", "content": HUGE_TEXT}]}) as r:
                 assert r.status == 400, await r.text()
-            refusals.append(time.perf_counter() - sent)
+            return time.perf_counter() - sent
+
+        refusals = []
+        for _ in range(BURSTS):
+            refusals += await asyncio.gather(*(refused() for _ in range(BURST)))
         window = (start, time.perf_counter())
         records = [record for record, _ in await asyncio.gather(*streams)]
     gaps = [b - a for r in records for a, b in itertools.pairwise(r.chunk_times)
