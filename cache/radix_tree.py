@@ -42,7 +42,16 @@ class Node:
     key: bytes
     slot: int
     parent: Node | None
+    namespace: bytes = b""
     children: dict[int, list[Node]] = field(default_factory=dict)  # by first token
+
+    def path_tokens(self) -> np.ndarray:
+        """Every token from the root to the end of this block."""
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return np.concatenate(parts[::-1])
 
 
 @dataclass
@@ -75,11 +84,24 @@ class RadixTree:
     def nodes(self) -> list[Node]:
         return list(self._index.values())
 
+    def by_recency(self) -> list[Node]:
+        """Every block, least recently used first: each after its descendants."""
+        return list(self._lru)
+
+    def chain_keys(self, tokens: np.ndarray, namespace: bytes = b"") -> list[bytes]:
+        """The key each block of `tokens` has (or would have) in the tree, block by block."""
+        keys, key = [], self.root(namespace).key
+        for start in range(0, len(tokens), self.block_size):
+            key = _block_key(key, tokens[start: start + self.block_size])
+            keys.append(key)
+        return keys
+
     def root(self, namespace: bytes) -> Node:
         root = self._roots.get(namespace)
         if root is None:
             key = xxhash.xxh3_128(b"prefixgate\0" + namespace).digest()
-            root = self._roots[namespace] = Node(np.empty(0, np.int32), key, -1, None)
+            root = self._roots[namespace] = Node(np.empty(0, np.int32), key, -1, None,
+                                                 namespace)
         return root
 
     def match(self, tokens: np.ndarray, namespace: bytes = b"") -> Match:
@@ -152,7 +174,7 @@ class RadixTree:
         slot = fill(start, start + len(chunk))
         if slot is None:
             return None
-        node = Node(chunk.copy(), key, slot, parent)
+        node = Node(chunk.copy(), key, slot, parent, parent.namespace)
         self.pool.retain(slot)  # one reference for the tree, one for the inserting caller
         parent.children.setdefault(int(chunk[0]), []).append(node)
         self._index[key] = node
@@ -219,7 +241,7 @@ class RadixTree:
         return best, best_len
 
     def _key(self, parent: Node, chunk: np.ndarray) -> bytes:
-        return xxhash.xxh3_128(parent.key + chunk.astype(np.int32).tobytes()).digest()
+        return _block_key(parent.key, chunk)
 
     def problems(self, held: dict[int, int]) -> list[str]:
         """Violations of the invariants above, given how many references each slot has besides
@@ -249,3 +271,7 @@ class RadixTree:
     def _touch(self, path: list[Node]) -> None:
         for node in reversed(path):
             self._lru.move_to_end(node)
+
+
+def _block_key(parent_key: bytes, chunk: np.ndarray) -> bytes:
+    return xxhash.xxh3_128(parent_key + chunk.astype(np.int32).tobytes()).digest()

@@ -16,10 +16,12 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from cache.arena import BlockArena
 from cache.block_pool import BlockPool
 from cache.radix_tree import Match, RadixTree
 from gateway.messages import Lease, StorePlan
@@ -125,6 +127,34 @@ class CacheIndex:
             if plan.final and not complete:
                 self._uncached_requests += 1
             self._drop(plan)
+
+    def adopt(self, tokens: np.ndarray, namespace: str,
+              block_bytes: Callable[[int, int], np.ndarray | bytes | None],
+              arena: BlockArena) -> int:
+        """Stores blocks that come from outside the workers (a snapshot on disk, the Redis
+        tier): `block_bytes(start, end)` gives the bytes of the block of tokens[start:end), or
+        None to stop there. Returns how many tokens of `tokens` the tree holds afterwards."""
+        def fill(start: int, end: int) -> int | None:
+            data = block_bytes(start, end)
+            if data is None:
+                return None
+            slot = self.tree.allocate()
+            if slot is not None:
+                arena.block(slot)[:] = np.frombuffer(data, np.uint8)
+            return slot
+
+        with self._lock:
+            path, _ = self.tree.insert(tokens, fill, namespace.encode())
+            n = path.n_tokens
+            self.tree.release(path)
+            return n
+
+    def cached_blocks(self) -> list[tuple[bytes, np.ndarray, int]]:
+        """(namespace, tokens from the root to the block's end, slot) of every cached block,
+        least recently used first (so that adopting them in this order restores the LRU)."""
+        with self._lock:
+            return [(node.namespace, node.path_tokens(), node.slot)
+                    for node in self.tree.by_recency()]
 
     def release_owner(self, owner: int) -> None:
         """Everything a worker held: it died, or stopped."""

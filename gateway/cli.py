@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
     p.add_argument("--kv-type", choices=KV_TYPE_NAMES, default=None,
                    help="KV cache type: f16 (default) or q8_0 (half the memory, changes "
-                        "outputs slightly)")
+                        "outputs slightly; implies --flash-attn, which llama.cpp needs to "
+                        "quantize V)")
     p.add_argument("--flash-attn", action="store_true",
                    help="flash attention (llama-server's default): faster prefill and batches, "
                         "outputs as llama-cpp-python's with flash_attn=True, not its default")
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-memory budget of the prefix cache's KV blocks")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per cached KV block")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="keep the cached blocks here across restarts (written at shutdown, "
+                        "loaded at start)")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help="one `key tenant` per line (a key may be `sha256:<hex>`); also "
                         "PREFIXGATE_API_KEYS. Without keys the gateway is open")
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             arena_path=args.shared_memory,
             routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                                   args.balance_rel_threshold),
-            max_queue=args.max_queue, log_level=args.log_level),
+            max_queue=args.max_queue, cache_dir=args.cache_dir, log_level=args.log_level),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,

@@ -53,9 +53,11 @@ class EngineConfig:
                                 flash_attn=True, unified=False)
         # Flash attention off and F16 KV are llama-cpp-python's defaults: a request alone gives
         # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
+        # llama.cpp quantizes V only with flash attention: q8_0 KV brings it along.
+        kv_type = self.kv_type or "f16"
         return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
                             n_batch=self.batch_tokens, n_threads=self.threads,
-                            kv_type=self.kv_type or "f16", flash_attn=self.flash_attn,
+                            kv_type=kv_type, flash_attn=self.flash_attn or kv_type != "f16",
                             unified=True)
 
 
@@ -67,6 +69,7 @@ class WorkersConfig:
     arena_path: Path | None = None  # None: a unique name under /dev/shm
     routing: RoutingConfig = RoutingConfig()
     max_queue: int = 128  # requests waiting for a sequence, beyond those running
+    cache_dir: Path | None = None  # where the pool's blocks survive a restart
     log_level: str = "info"
 
 

@@ -33,6 +33,7 @@ from cache.arena import (
     default_arena_path,
     remove_stale_arenas,
 )
+from gateway import persistence
 from gateway import worker as worker_main
 from gateway.cache_index import CacheIndex
 from gateway.config import WorkersConfig
@@ -203,9 +204,16 @@ class Workers:
                 worker.process.kill()
                 worker.process.join(5)
         with self._lock:
-            if self.arena is not None:
-                self.arena.close()
-                self.arena = None
+            if self.arena is None:
+                return
+            if self.config.cache_dir is not None:  # the workers are gone: nothing writes now
+                try:
+                    n = persistence.save(self.config.cache_dir, self.index, self.arena)
+                    log.info("saved %d cached blocks to %s", n, self.config.cache_dir)
+                except OSError:
+                    log.exception("saving the prefix cache to %s failed", self.config.cache_dir)
+            self.arena.close()
+            self.arena = None
 
     # ----- requests -----------------------------------------------------------------------------
 
@@ -300,6 +308,8 @@ class Workers:
                     self._any_ready.set()
                     return
                 self.index = CacheIndex(self.arena.header.n_slots, self.arena.header.block_size)
+                if self.config.cache_dir is not None:  # before any request can use the pool
+                    persistence.load(self.config.cache_dir, self.index, self.arena)
             if self.router is None:
                 block_size = self.config.engine.cache.block_size
                 self.router = Router(self.config.routing, block_size)

@@ -1,0 +1,123 @@
+"""The pool's blocks on disk across restarts (`--cache-dir`).
+
+At shutdown, once the workers have stopped, every cached block is written with the tokens of its
+path and its namespace to `<dir>/prefix-cache.bin`: through a temporary file, fsync'd, then
+renamed over the old one, so a crash mid-write leaves the previous snapshot whole. At start the
+file is checked whole (its header against this gateway's fingerprint and block shape, every
+length, a digest of everything) before a single block is adopted: a truncated, corrupted or
+mismatched snapshot is refused with a log line, never half-loaded.
+
+Layout: a JSON header line, then per block `u32 namespace length, u32 path tokens`, the
+namespace, the path's tokens (int32) and the slot's bytes; last, the xxh3-128 of all before it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from cache.arena import BlockArena
+from gateway.cache_index import CacheIndex
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "prefix-cache.bin"
+VERSION = 1
+_ENTRY = struct.Struct("<II")
+_DIGEST = 16
+
+
+class SnapshotError(ValueError):
+    pass
+
+
+def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
+    """Writes every cached block; returns how many."""
+    directory.mkdir(parents=True, exist_ok=True)
+    blocks = index.cached_blocks()
+    header = arena.header
+    path, partial = directory / FILE_NAME, directory / f".{FILE_NAME}.{os.getpid()}"
+    digest = xxhash.xxh3_128()
+    with open(partial, "wb") as f:
+        def write(data: bytes | memoryview) -> None:
+            f.write(data)
+            digest.update(data)
+
+        write(json.dumps({"version": VERSION, "fingerprint": header.fingerprint,
+                          "block_size": header.block_size, "slot_bytes": header.slot_bytes,
+                          "blocks": len(blocks)}).encode() + b"\n")
+        for namespace, tokens, slot in blocks:
+            write(_ENTRY.pack(len(namespace), len(tokens)))
+            write(namespace)
+            write(tokens.astype("<i4").tobytes())
+            write(memoryview(arena.block(slot)))
+        f.write(digest.digest())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    return len(blocks)
+
+
+def load(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
+    """Adopts the snapshot's blocks into an empty index; returns how many. Refuses (with a log
+    line, loading nothing) a snapshot that does not verify."""
+    path = directory / FILE_NAME
+    if not path.exists():
+        return 0
+    start = time.perf_counter()
+    slot_bytes = arena.header.slot_bytes
+    try:
+        data = path.read_bytes()
+        entries = _parse(data, arena)
+    except (OSError, ValueError, struct.error) as exc:
+        log.error("not loading the prefix-cache snapshot %s: %s", path, exc)
+        return 0
+    offsets = {(namespace, tokens.tobytes()): offset for namespace, tokens, offset in entries}
+    for namespace, tokens, _ in entries:  # least recently used first, as saved
+
+        def block_bytes(_begin: int, end: int, namespace=namespace, tokens=tokens):
+            offset = offsets.get((namespace, tokens[:end].tobytes()))
+            return None if offset is None else data[offset: offset + slot_bytes]
+
+        index.adopt(tokens, namespace.decode(), block_bytes, arena)
+    log.info("loaded %d cached blocks from %s in %.2f s", len(entries), path,
+             time.perf_counter() - start)
+    return len(entries)
+
+
+def _parse(data: bytes, arena: BlockArena) -> list[tuple[bytes, np.ndarray, int]]:
+    """(namespace, path tokens, offset of the block's bytes) per block, all checked."""
+    if len(data) < _DIGEST + 2:
+        raise SnapshotError("truncated")
+    body = data[: len(data) - _DIGEST]
+    if xxhash.xxh3_128(body).digest() != data[len(data) - _DIGEST:]:
+        raise SnapshotError("its digest does not match: truncated or corrupted")
+    end_of_header = body.find(b"\n")
+    header = json.loads(body[:end_of_header])
+    expected = {"version": VERSION, "fingerprint": arena.header.fingerprint,
+                "block_size": arena.header.block_size, "slot_bytes": arena.header.slot_bytes}
+    for key, value in expected.items():
+        if header.get(key) != value:
+            raise SnapshotError(f"it was written for another {key} ({header.get(key)!r})")
+    entries, offset = [], end_of_header + 1
+    for _ in range(header["blocks"]):
+        n_namespace, n_tokens = _ENTRY.unpack_from(body, offset)
+        offset += _ENTRY.size
+        namespace = body[offset: offset + n_namespace]
+        offset += n_namespace
+        tokens = np.frombuffer(body, "<i4", n_tokens, offset).astype(np.int32)
+        offset += 4 * n_tokens
+        entries.append((namespace, tokens, offset))
+        offset += arena.header.slot_bytes
+        if offset > len(body):
+            raise SnapshotError("an entry runs past the end")
+    if offset != len(body):
+        raise SnapshotError("bytes left after the last entry")
+    return entries

@@ -1,0 +1,59 @@
+"""A restarted gateway answers its hot prefixes warm (--cache-dir); a snapshot that does not
+verify is refused whole."""
+
+from __future__ import annotations
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+from tests.test_prefix_cache import ask, system_chat
+
+SYSTEM = "You are the archivist of the lighthouse on Bengtskär. Answer in one sentence. " * 8
+QUESTION = "When was the lighthouse built?"
+
+
+def test_a_restart_keeps_the_hot_prefixes(model_path, model_name, tmp_path):
+    args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(tmp_path))
+    first = GatewayProcess(model_path, *args)
+    try:
+        text, usage = ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+    finally:
+        first.stop()  # SIGTERM: the blocks are written at shutdown
+    snapshot = tmp_path / "prefix-cache.bin"
+    assert snapshot.stat().st_size > 0
+    second = GatewayProcess(model_path, *args)
+    try:
+        warm, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens > 100
+        assert warm == text
+        second.settled()
+    finally:
+        second.stop()
+    # Cut short (a full disk, a copy interrupted): refused with a log line, nothing half-loaded.
+    data = snapshot.read_bytes()
+    snapshot.write_bytes(data[: len(data) // 2])
+    third = GatewayProcess(model_path, *args)
+    try:
+        _, usage = ask(openai_client(third), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert "not loading the prefix-cache snapshot" in third.log_path.read_text()
+        third.settled()
+    finally:
+        third.stop()
+
+
+def test_a_snapshot_of_another_model_layout_is_refused(model_path, model_name, tmp_path):
+    first = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-dir",
+                           str(tmp_path))
+    try:
+        ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
+    finally:
+        first.stop()
+    other = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--kv-type",
+                           "q8_0", "--cache-dir", str(tmp_path))
+    try:
+        _, usage = ask(openai_client(other), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert "written for another fingerprint" in other.log_path.read_text()
+    finally:
+        other.stop()
