@@ -49,8 +49,13 @@ class _Plan:
     hold: bool
 
 
+# Told of every block a worker stores, under the index's lock: (block key, tokens, slot).
+StoredHook = Callable[[bytes, np.ndarray, int], None]
+
+
 class CacheIndex:
-    def __init__(self, n_slots: int, block_size: int) -> None:
+    def __init__(self, n_slots: int, block_size: int,
+                 on_stored: StoredHook | None = None) -> None:
         self.pool = BlockPool(n_slots, block_size)
         self.tree = RadixTree(self.pool)
         self.block_size = block_size
@@ -59,6 +64,7 @@ class CacheIndex:
         self._leases: dict[int, tuple[int, Match]] = {}
         self._plans: dict[int, _Plan] = {}
         self._uncached_requests = 0
+        self._on_stored = on_stored
 
     def client(self, owner: int) -> IndexClient:
         return IndexClient(self, owner)
@@ -111,13 +117,21 @@ class CacheIndex:
             complete = False
             if written:
                 unused = dict(enumerate(plan.slots))
+                adopted: list[int] = []  # block indices of the path
 
                 def fill(start: int, _end: int) -> int | None:
                     if start < plan.begin:  # a block before the plan went missing meanwhile
                         return None
-                    return unused.pop((start - plan.begin) // self.block_size, None)
+                    slot = unused.pop((start - plan.begin) // self.block_size, None)
+                    if slot is not None:
+                        adopted.append(start // self.block_size)
+                    return slot
 
                 path, complete = self.tree.insert(plan.tokens[: plan.end], fill, plan.namespace)
+                if self._on_stored is not None:
+                    for i in adopted:
+                        node = path.nodes[i]
+                        self._on_stored(node.key, node.tokens, node.slot)
                 complete = complete and plan.end == len(plan.tokens)
                 plan.slots = list(unused.values())
                 if plan.hold:
@@ -148,6 +162,10 @@ class CacheIndex:
             n = path.n_tokens
             self.tree.release(path)
             return n
+
+    def chain_keys(self, tokens: np.ndarray, namespace: str) -> list[bytes]:
+        with self._lock:
+            return self.tree.chain_keys(tokens, namespace.encode())
 
     def cached_blocks(self) -> list[tuple[bytes, np.ndarray, int]]:
         """(namespace, tokens from the root to the block's end, slot) of every cached block,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gateway.auth import KeyFileError, KeyRing
 from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig, Limits, WorkersConfig
+from gateway.redis_tier import TierConfig
 from gateway.router import POLICIES, RoutingConfig
 
 
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared-memory budget of the prefix cache's KV blocks")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per cached KV block")
+    p.add_argument("--redis-url", default=None,
+                   help="a Redis shared with other gateways: stored blocks are written there "
+                        "and a local miss looks there first (e.g. redis://redis:6379/0)")
+    p.add_argument("--redis-timeout", type=float, default=TierConfig.timeout,
+                   help="seconds a Redis lookup may add to a request")
+    p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,
+                   help="seconds a block lives in Redis after its last write")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="keep the cached blocks here across restarts (written at shutdown, "
                         "loaded at start)")
@@ -128,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             arena_path=args.shared_memory,
             routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                                   args.balance_rel_threshold),
-            max_queue=args.max_queue, cache_dir=args.cache_dir, log_level=args.log_level),
+            max_queue=args.max_queue, cache_dir=args.cache_dir,
+            redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl)
+            if args.redis_url else None,
+            log_level=args.log_level),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,

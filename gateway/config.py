@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.redis_tier import TierConfig
 from gateway.router import RoutingConfig
 
 KV_TYPE_NAMES = ("f16", "q8_0")
@@ -70,6 +71,7 @@ class WorkersConfig:
     routing: RoutingConfig = RoutingConfig()
     max_queue: int = 128  # requests waiting for a sequence, beyond those running
     cache_dir: Path | None = None  # where the pool's blocks survive a restart
+    redis: TierConfig | None = None  # the Redis tier shared with other gateways
     log_level: str = "info"
 
 

@@ -1,13 +1,188 @@
-"""The Redis tier: KV blocks shared by gateways that do not share an arena (other pods, other
-machines)."""
+"""The Redis tier: KV blocks shared by gateways that share no arena (other pods, other machines).
+
+Every block a worker stores is also written to Redis, from a queue on a thread of its own, never
+on a request's path. On a local miss the gateway asks Redis for the prompt's following blocks in
+one MGET (one round trip for the whole prompt, capped by `--redis-timeout`) and adopts what it
+finds into its own pool before routing the request, which then loads them like any cached block.
+
+Keys: `prefixgate:v1:<fingerprint>:<block key>`, the block key being the radix tree's chained
+hash (parent key + tokens, from the namespace's root), so the model and KV layout, the tenant
+namespace and the whole prefix are all in it. One value per block holds a small header (magic,
+version, fingerprint digest, token count), the block's tokens and its bytes: never a data key and
+a separate metadata key that an eviction could split. Values are checked on load like local hits
+(header, fingerprint, tokens); one that does not verify is a miss and counts as an error.
+
+Redis slow, down or answering garbage never fails a request or delays it past the cap: a miss,
+a metric and a log line. After repeated failures the tier is skipped for a while (a circuit
+breaker), then tried again.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import queue
+import struct
+import threading
+import time
 from dataclasses import dataclass
+
+import numpy as np
+import redis
+import xxhash
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"PGKV"
+_HEADER = struct.Struct("<4sHHI16s")  # magic, version, reserved, n_tokens, fingerprint digest
+BREAKER_FAILURES = 3  # consecutive failures that open the breaker
+BREAKER_SECONDS = 30.0  # how long the tier is skipped then
+WRITE_BATCH = 16  # blocks per pipelined write
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    url: str
+    timeout: float = 0.2  # seconds a lookup may add to a request
+    ttl: int = 86400  # seconds a block lives in Redis after its last write
+    queue_blocks: int = 256  # blocks waiting to be written; beyond, new ones are dropped
 
 
 @dataclass
 class TierStats:
     hit_tokens: int = 0  # prompt tokens loaded from Redis into the pool instead of computed
     stored_blocks: int = 0
-    errors: int = 0
+    errors: int = 0  # failed calls and values that did not verify
+    dropped_blocks: int = 0  # not written: the queue was full
+
+
+class RedisTier:
+    def __init__(self, config: TierConfig, fingerprint: str, slot_bytes: int) -> None:
+        self.config = config
+        self.slot_bytes = slot_bytes
+        self.stats = TierStats()
+        self._prefix = f"prefixgate:v{FORMAT_VERSION}:{fingerprint}:".encode()
+        self._fingerprint = xxhash.xxh3_128(fingerprint.encode()).digest()
+        self._reads = redis.Redis.from_url(config.url, socket_timeout=config.timeout,
+                                           socket_connect_timeout=config.timeout)
+        # Writes carry megabytes and nobody waits for them: a longer timeout.
+        self._writes = redis.Redis.from_url(config.url, socket_timeout=10,
+                                            socket_connect_timeout=config.timeout * 5)
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(config.queue_blocks)
+        self._failures = 0
+        self._skip_until = 0.0
+        self._lock = threading.Lock()  # the breaker and the stats, from both threads
+        self._writer = threading.Thread(target=self._write_loop, name="redis-tier", daemon=True)
+        self._writer.start()
+
+    def key(self, block_key: bytes) -> bytes:
+        return self._prefix + block_key.hex().encode()
+
+    # ----- writes -------------------------------------------------------------------------
+
+    def put(self, block_key: bytes, tokens: np.ndarray, data: bytes | memoryview) -> None:
+        """Queues a block for Redis; called under the cache index's lock, so it only copies."""
+        value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, 0, len(tokens), self._fingerprint)
+                 + tokens.astype("<i4").tobytes() + bytes(data))
+        try:
+            self._queue.put_nowait((self.key(block_key), value))
+        except queue.Full:
+            with self._lock:
+                self.stats.dropped_blocks += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < WRITE_BATCH and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                batch.append(item)
+            if self._skipping():
+                continue
+            try:
+                with self._writes.pipeline(transaction=False) as pipe:
+                    for key, value in batch:
+                        pipe.set(key, value, ex=self.config.ttl)
+                    pipe.execute()
+                self._succeeded(len(batch))
+            except redis.RedisError as exc:
+                self._failed(f"writing {len(batch)} blocks", exc)
+
+    # ----- reads --------------------------------------------------------------------------
+
+    def fetch(self, block_keys: list[bytes], chunks: list[np.ndarray]) -> list[bytes]:
+        """The bytes of the blocks, in order, up to the first one Redis lacks or that does not
+        verify (its tokens must be `chunks[i]`)."""
+        if not block_keys or self._skipping():
+            return []
+        try:
+            values = self._reads.mget([self.key(k) for k in block_keys])
+        except redis.RedisError as exc:
+            self._failed("looking up blocks", exc)
+            return []
+        self._succeeded(0)
+        found = []
+        for value, chunk in zip(values, chunks, strict=True):
+            if value is None:
+                break
+            data = self._verified(value, chunk)
+            if data is None:
+                with self._lock:
+                    self.stats.errors += 1
+                log.warning("a Redis value did not verify (corrupted, or of another model); "
+                            "computing instead")
+                break
+            found.append(data)
+        return found
+
+    def _verified(self, value: bytes, chunk: np.ndarray) -> bytes | None:
+        if len(value) < _HEADER.size:
+            return None
+        magic, version, _, n_tokens, fingerprint = _HEADER.unpack_from(value)
+        end = _HEADER.size + 4 * n_tokens
+        if (magic, version, fingerprint) != (_MAGIC, FORMAT_VERSION, self._fingerprint) \
+                or n_tokens != len(chunk) or len(value) != end + self.slot_bytes:
+            return None
+        if not np.array_equal(np.frombuffer(value, "<i4", n_tokens, _HEADER.size), chunk):
+            return None
+        return value[end:]
+
+    def record_hit(self, n_tokens: int) -> None:
+        with self._lock:
+            self.stats.hit_tokens += n_tokens
+
+    # ----- the breaker --------------------------------------------------------------------
+
+    def _skipping(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._skip_until
+
+    def _succeeded(self, stored: int) -> None:
+        with self._lock:
+            self._failures = 0
+            self.stats.stored_blocks += stored
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            self._failures += 1
+            if self._failures >= BREAKER_FAILURES:
+                self._skip_until = time.monotonic() + BREAKER_SECONDS
+                self._failures = 0
+                log.error("Redis tier: %s failed (%s); skipping it for %.0f s", what, exc,
+                          BREAKER_SECONDS)
+                return
+        log.warning("Redis tier: %s failed: %s", what, exc)
+
+    def close(self) -> None:
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=5)
+        self._writer.join(5)
+        self._reads.close()
+        self._writes.close()

@@ -167,6 +167,8 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
                                     gateway.model.n_vocab, limits.max_tokens,
                                     namespace=request["namespace"])
+    if gateway.workers.tier is not None:  # a local miss may be another replica's hit
+        await asyncio.to_thread(gateway.workers.fetch_from_tier, generation)
     try:
         handle = gateway.workers.submit(generation)
     except Overloaded as exc:

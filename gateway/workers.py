@@ -55,7 +55,7 @@ from gateway.messages import (
     Shutdown,
     Submit,
 )
-from gateway.redis_tier import TierStats
+from gateway.redis_tier import RedisTier, TierStats
 from gateway.router import Router, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class Workers:
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
         self.index: CacheIndex | None = None
+        self.tier: RedisTier | None = None
         self.arena: BlockArena | None = None
         self.router: Router | None = None
         self.seq_len = 0
@@ -212,6 +213,8 @@ class Workers:
                     log.info("saved %d cached blocks to %s", n, self.config.cache_dir)
                 except OSError:
                     log.exception("saving the prefix cache to %s failed", self.config.cache_dir)
+            if self.tier is not None:
+                self.tier.close()
             self.arena.close()
             self.arena = None
 
@@ -247,6 +250,44 @@ class Workers:
             worker.routed[reason] += 1
         worker.send(Submit(request_id, request, pool_cached))
         return handle
+
+    # ----- the Redis tier ------------------------------------------------------------------------
+
+    def _to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int) -> None:
+        self.tier.put(block_key, tokens, self.arena.block(slot))
+
+    def fetch_from_tier(self, request: GenerationRequest) -> None:
+        """On a local miss, adopts the prompt's following blocks from Redis into the pool (one
+        round trip, capped by --redis-timeout). Blocking: call it off the event loop. The tier
+        only ever saves work: whatever goes wrong here, the request computes instead."""
+        if self.tier is None or self.index is None:
+            return
+        try:
+            self._fetch_from_tier(request)
+        except Exception:
+            log.exception("adopting blocks from Redis failed; computing instead")
+
+    def _fetch_from_tier(self, request: GenerationRequest) -> None:
+        # What a request may take from the cache: all but its last two tokens (Engine._reusable).
+        prompt = np.asarray(request.prompt_tokens[:-2], dtype=np.int32)
+        bs, namespace = self.index.block_size, request.namespace
+        have = self.index.cached_length(prompt, namespace)
+        first = have // bs
+        if len(prompt) - first * bs < bs:  # not a whole block to gain
+            return
+        keys = self.index.chain_keys(prompt, namespace)[first:]
+        chunks = [prompt[i: i + bs] for i in range(first * bs, len(prompt), bs)]
+        found = self.tier.fetch(keys, chunks)
+        if not found:
+            return
+
+        def block_bytes(start: int, _end: int) -> bytes | None:
+            i = start // bs - first
+            return found[i] if 0 <= i < len(found) else None
+
+        held = self.index.adopt(prompt[: first * bs + sum(len(c) for c in chunks[:len(found)])],
+                                namespace, block_bytes, self.arena)
+        self.tier.record_hit(max(0, held - have))
 
     def _cancel(self, worker: WorkerProcess, request_id: int) -> None:
         """The client went away: the worker drops the sequence without another output."""
@@ -307,7 +348,11 @@ class Workers:
                     worker.send(Shutdown())
                     self._any_ready.set()
                     return
-                self.index = CacheIndex(self.arena.header.n_slots, self.arena.header.block_size)
+                if self.config.redis is not None:
+                    self.tier = RedisTier(self.config.redis, ready.fingerprint,
+                                          self.arena.header.slot_bytes)
+                self.index = CacheIndex(self.arena.header.n_slots, self.arena.header.block_size,
+                                        on_stored=self._to_tier if self.tier else None)
                 if self.config.cache_dir is not None:  # before any request can use the pool
                     persistence.load(self.config.cache_dir, self.index, self.arena)
             if self.router is None:
@@ -386,7 +431,7 @@ class Workers:
         return found
 
     def tier_stats(self) -> TierStats:
-        return TierStats()
+        return dataclasses.replace(self.tier.stats) if self.tier else TierStats()
 
     def states(self) -> list[dict]:
         with self._lock:

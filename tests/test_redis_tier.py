@@ -1,0 +1,130 @@
+"""The Redis tier with a real redis-server on loopback: a prefix one gateway computed is loaded
+by another that shares no arena with it; a value that does not verify is never loaded; Redis
+going away costs a miss, not a failed or stalled request."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import redis
+
+from loadtest.gateway_process import GatewayProcess, free_port
+from tests.conftest import DETERMINISTIC_ARGS, openai_client
+from tests.test_prefix_cache import ask, system_chat
+
+SYSTEM = "You are the pilot station's assistant in the archipelago of Åland. Be brief. " * 10
+QUESTION = "Where do the pilots board?"
+
+
+@pytest.fixture
+def redis_url():
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make test installs it)"
+    port = free_port()
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url, server
+    server.kill()
+    server.wait()
+
+
+def tier(server: GatewayProcess, name: str) -> dict[str, float]:
+    return {s.labels["tier"]: s.value for s in server._samples()
+            if s.name == f"prefixgate_prefix_cache_tier_{name}_total"}
+
+
+def wait_stored(server: GatewayProcess, blocks: int) -> None:
+    deadline = time.monotonic() + 30
+    while tier(server, "stores")["redis"] < blocks:
+        assert time.monotonic() < deadline, "the blocks never reached Redis"
+        time.sleep(0.05)
+
+
+def test_a_prefix_one_gateway_computed_is_loaded_by_another(redis_url, model_path, model_name):
+    url, _ = redis_url
+    first = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
+    second = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
+    try:
+        text, usage = ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        wait_stored(first, usage.prompt_tokens // 64)
+        again, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens > 100
+        assert again == text  # deterministic mode: exact
+        assert tier(second, "hits")["redis"] == usage.prompt_tokens_details.cached_tokens
+        second.settled()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_values_that_do_not_verify_are_never_loaded(redis_url, model_path, model_name):
+    url, _ = redis_url
+    client = redis.Redis.from_url(url)
+    writer = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
+    try:
+        text, usage = ask(openai_client(writer), model_name, system_chat(QUESTION, SYSTEM))
+        wait_stored(writer, usage.prompt_tokens // 64)
+    finally:
+        writer.stop()
+    written = {key: client.get(key) for key in client.keys("prefixgate:*")}
+    # Another model or KV layout (the default mode's F16 blocks): its keys carry its own
+    # fingerprint. Copied under those keys, the values still say whose they are: not loaded.
+    other = GatewayProcess(model_path, "--redis-url", url)
+    try:
+        ask(openai_client(other), model_name, system_chat("Something else entirely?"))
+        wait_stored(other, 1)
+        theirs = next(k for k in client.keys("prefixgate:*") if k not in written)
+        prefix = theirs.rsplit(b":", 1)[0]
+        for key, value in written.items():
+            client.set(prefix + b":" + key.rsplit(b":", 1)[1], value)
+        _, usage = ask(openai_client(other), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert tier(other, "errors")["redis"] >= 1 and tier(other, "hits")["redis"] == 0
+    finally:
+        other.stop()
+    # Corrupted in place (a token changed): detected, ignored, computed instead.
+    for key, value in written.items():
+        client.set(key, value[:40] + bytes([value[40] ^ 0xFF]) + value[41:])
+    fresh = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
+    try:
+        again, usage = ask(openai_client(fresh), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert again == text
+        assert tier(fresh, "errors")["redis"] >= 1 and tier(fresh, "hits")["redis"] == 0
+    finally:
+        fresh.stop()
+
+
+def test_redis_going_away_costs_a_miss_not_a_request(redis_url, model_path, model_name):
+    url, redis_process = redis_url
+    server = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url,
+                            "--redis-timeout", "0.2")
+    try:
+        client = openai_client(server)
+        ask(client, model_name, system_chat("A warm-up question?", SYSTEM))
+        redis_process.kill()
+        redis_process.wait()
+        for i in range(5):  # all answered; the breaker opens after a few failures
+            start = time.perf_counter()
+            text, usage = ask(client, model_name, system_chat(f"Question {i}: tides?", "Cold. "
+                                                              * 40))
+            assert text is not None and time.perf_counter() - start < 30
+        assert tier(server, "errors")["redis"] >= 1
+        assert server.health()[1]["status"] == "ok"
+        server.settled()
+    finally:
+        server.stop()
