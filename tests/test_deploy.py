@@ -1,0 +1,682 @@
+"""The deployment files (Dockerfile, compose.yaml, deploy/) checked against the project they
+deploy: no Docker engine or cluster needed, so a renamed flag, metric, route or file breaks a
+test here instead of a deployment."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.cli import build_parser
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "compose.yaml"
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+GRAFANA = DEPLOY / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "prefixgate.json"
+GATEWAY_PORT = 8000
+BASE_IMAGE = "python:3.11-slim-bookworm"
+RUNTIME_UID = 10001
+
+# PREFIXGATE_* variables that are not flags: the code reads them itself (name -> the file).
+NON_FLAG_VARIABLES = {"PREFIXGATE_MODEL_DIR": "gateway/model_store.py",
+                      "PREFIXGATE_API_KEYS": "gateway/cli.py"}
+# The pool's file in /dev/shm takes --cache-mb; the rest is headroom (docs/deploy.md).
+SHM_HEADROOM = 1.25
+VARIABLE = re.compile(r"\bPREFIXGATE_[A-Z0-9_]+\b")
+METRIC = re.compile(r"\b(prefixgate_[a-z0-9_]+)\b\s*(\{[^}]*\})?")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
+RATED = re.compile(r"\b(?:rate|irate|increase)\(\s*(prefixgate_[a-z0-9_]+)")
+
+
+# ---- parsing helpers ---------------------------------------------------------------------------
+
+def flags() -> dict[str, argparse.Action]:
+    """The CLI's flags by the suffix of their environment twin (dest upper-cased)."""
+    return {a.dest.upper(): a for a in build_parser()._actions if a.dest != "help"}
+
+
+def get_paths() -> set[str]:
+    """The paths the gateway answers GET on, from its route table (imported late: it loads
+    llama.cpp)."""
+    from gateway.server import routes
+
+    return {r.path for r in routes if r.method == "GET"}
+
+
+def logical_lines(text: str, comment: str = "#") -> list[str]:
+    """Lines with backslash continuations joined and comment lines dropped (as Docker and make
+    read them)."""
+    lines: list[str] = []
+    current = ""
+    for raw in text.splitlines():
+        stripped = raw.strip()
+        if stripped.startswith(comment) or (not current and not stripped):
+            continue
+        if raw.rstrip().endswith("\\"):
+            current += raw.rstrip()[:-1]
+            continue
+        lines.append(current + raw)
+        current = ""
+    if current:
+        lines.append(current)
+    return lines
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order."""
+    out = []
+    for line in logical_lines(DOCKERFILE.read_text()):
+        word, _, rest = line.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def docker_stages() -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for instruction in dockerfile():
+        if instruction[0] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(instruction)
+    return stages
+
+
+def docker_env(stage: list[tuple[str, str]]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, args in stage:
+        if word == "ENV":
+            for part in shlex.split(args):
+                key, _, value = part.partition("=")
+                env[key] = value
+    return env
+
+
+def docker_arg(name: str) -> str:
+    for word, args in dockerfile():
+        if word == "ARG":
+            key, _, value = args.partition("=")
+            if key == name:
+                return " ".join(shlex.split(value))
+    raise AssertionError(f"the Dockerfile has no ARG {name}")
+
+
+def interpolate(value: Any) -> Any:
+    """Compose's ${VAR:-default} and ${VAR-default} as with VAR unset; `$$` is a dollar."""
+    if isinstance(value, str):
+        value = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}",
+                       lambda m: m.group(1) or "", value)
+        return value.replace("$$", "$")
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    return value
+
+
+def compose() -> dict[str, Any]:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()))
+
+
+def service(name: str) -> dict[str, Any]:
+    services = compose()["services"]
+    assert name in services, f"compose.yaml has no service {name!r}"
+    return services[name]
+
+
+def environment(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.partition("=")[::2] for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of a service's volumes, short or long syntax."""
+    out = []
+    for volume in svc.get("volumes") or []:
+        if isinstance(volume, dict):
+            out.append((str(volume.get("source", "")), str(volume["target"])))
+        else:
+            source, target = volume.split(":")[:2]
+            out.append((source, target))
+    return out
+
+
+def is_bind(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def host_path(svc: dict[str, Any], container_path: str) -> Path:
+    """Where a container path of a service comes from on the host, through its bind mounts."""
+    wanted = PurePosixPath(container_path)
+    for source, target in sorted(mounts(svc), key=lambda m: -len(m[1])):
+        if is_bind(source) and wanted.is_relative_to(target):
+            return (ROOT / source / wanted.relative_to(target)).resolve()
+    raise AssertionError(f"{container_path} is not under any bind mount of the service")
+
+
+def to_bytes(size: str | int) -> float:
+    """Docker's (b, k, m, g: binary) and Kubernetes' (Ki, Mi, Gi; K, M, G) sizes in bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", size)
+    assert match, f"not a size: {size!r}"
+    number, unit = float(match.group(1)), match.group(2)
+    binary = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30,
+              "gb": 2**30, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    decimal = {"K": 10**3, "M": 10**6, "G": 10**9}
+    if unit in decimal:
+        return number * decimal[unit]
+    assert unit.lower() in binary, f"unknown unit in {size!r}"
+    return number * binary[unit.lower()]
+
+
+def k8s_resources() -> list[str]:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text()).get("resources") or []
+
+
+def k8s_docs() -> list[dict[str, Any]]:
+    """Every object of the manifests the kustomization lists."""
+    docs = []
+    for resource in k8s_resources():
+        docs += [d for d in yaml.safe_load_all((K8S / resource).read_text()) if d]
+    return docs
+
+
+def k8s_kind(kind: str) -> list[dict[str, Any]]:
+    return [d for d in k8s_docs() if d.get("kind") == kind]
+
+
+def k8s_gateway() -> dict[str, Any]:
+    """The Deployment whose container runs the gateway image."""
+    for deployment in k8s_kind("Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            if container["image"].split(":")[0].split("/")[-1] == "prefixgate":
+                return deployment
+    raise AssertionError("no Deployment runs the prefixgate image")
+
+
+def k8s_config() -> dict[str, Any]:
+    maps = k8s_kind("ConfigMap")
+    assert len(maps) == 1, "one ConfigMap of PREFIXGATE_* settings expected"
+    return maps[0]["data"]
+
+
+def container_port(container: dict[str, Any], port: int | str) -> int:
+    """A probe's or Service's port (a number or a port name) as a port the container declares."""
+    for declared in container.get("ports") or []:
+        if port in (declared["containerPort"], declared.get("name")):
+            return declared["containerPort"]
+    raise AssertionError(f"container {container['name']} declares no port {port!r}")
+
+
+def set_variables() -> list[tuple[str, str, str]]:
+    """(file, name, value) of every PREFIXGATE_* variable the deployment files set."""
+    out = [("compose.yaml", k, v) for svc in compose()["services"].values()
+           for k, v in environment(svc).items() if k.startswith("PREFIXGATE_")]
+    out += [("deploy/k8s/configmap.yaml", k, str(v)) for k, v in k8s_config().items()]
+    out += [("Dockerfile", k, v) for stage in docker_stages()
+            for k, v in docker_env(stage).items() if k.startswith("PREFIXGATE_")]
+    return out
+
+
+def deployment_texts() -> dict[str, str]:
+    files = [DOCKERFILE, COMPOSE, *sorted(K8S.glob("*.yaml"))]
+    return {str(f.relative_to(ROOT)): f.read_text() for f in files}
+
+
+def healthcheck_url(test: list[str] | str) -> tuple[str, int]:
+    """(path, port) of the URL a healthcheck command requests."""
+    command = test if isinstance(test, str) else " ".join(test)
+    match = re.search(r"https?://[^\s'\"]+", command)
+    assert match, f"no URL in the healthcheck {command!r}"
+    url = urlsplit(match.group(0))
+    return url.path, url.port or 80
+
+
+# ---- environment variables -----------------------------------------------------------------------
+
+def test_every_variable_names_a_flag() -> None:
+    """A misspelt PREFIXGATE_* variable is silently ignored by the CLI: every one set or named
+    anywhere in the deployment files must be a flag's twin (or read by the code itself)."""
+    known = flags()
+    for file, text in deployment_texts().items():
+        for name in set(VARIABLE.findall(text)):
+            if name in NON_FLAG_VARIABLES:
+                source = (ROOT / NON_FLAG_VARIABLES[name]).read_text()
+                assert f'"{name}"' in source, f"{file}: {name} is no longer read by the code"
+                continue
+            suffix = name.removeprefix("PREFIXGATE_")
+            assert suffix in known, \
+                f"{file}: {name} is no flag's twin (flags: {sorted(known)})"
+
+
+def test_variable_values_parse() -> None:
+    """A value the flag's type or choices reject makes the gateway exit at start; a boolean
+    spelt otherwise than 1/true/yes is silently false."""
+    known = flags()
+    for file, name, value in set_variables():
+        action = known.get(name.removeprefix("PREFIXGATE_"))
+        if action is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            assert value.lower() in {"1", "true", "yes", "0", "false", "no"}, (file, name, value)
+            continue
+        converted = action.type(value) if action.type else value
+        if action.choices:
+            assert converted in action.choices, (file, name, value)
+
+
+def test_host_and_port_are_left_to_the_image() -> None:
+    """The image's CMD passes --host and --port, which win over their variables: setting these
+    would be ignored without a word."""
+    for file, name, _ in set_variables():
+        assert name not in {"PREFIXGATE_HOST", "PREFIXGATE_PORT"}, f"{file} sets {name}"
+
+
+# ---- Dockerfile ----------------------------------------------------------------------------------
+
+def test_cmake_flags_match_the_makefile() -> None:
+    """The image must build llama.cpp as portably as `make setup` (a native build dies with
+    SIGILL on other CPUs)."""
+    makefile = next(line for line in logical_lines((ROOT / "Makefile").read_text())
+                    if re.match(r"LLAMA_CMAKE_ARGS\s*:?=", line))
+    make_flags = makefile.split("=", 1)[1].split()
+    assert sorted(docker_arg("LLAMA_CMAKE_ARGS").split()) == sorted(make_flags)
+    builder = docker_stages()[0]
+    wheel = [args for word, args in builder if word == "RUN" and "pip wheel" in args]
+    assert wheel, "the builder stage builds no wheels"
+    assert re.search(r"CMAKE_ARGS=\"?\$\{?LLAMA_CMAKE_ARGS\}?\"?\s+pip wheel", wheel[0]), wheel[0]
+    assert "--wheel-dir /wheels" in wheel[0] and wheel[0].rstrip().endswith(" ."), wheel[0]
+
+
+def test_dockerfile_stages() -> None:
+    """A builder with the compilers, a slim runtime that installs its wheels only."""
+    builder, runtime = docker_stages()
+    assert builder[0] == ("FROM", f"{BASE_IMAGE} AS builder")
+    assert runtime[0][1] == BASE_IMAGE
+    apt = " ".join(args for word, args in builder if word == "RUN" and "apt-get install" in args)
+    assert {"build-essential", "cmake", "git"} <= set(apt.split()), apt
+    runtime_text = "\n".join(args for _, args in runtime)
+    assert "COPY --from=builder /wheels" in "\n".join(f"{w} {a}" for w, a in runtime)
+    assert re.search(r"pip install --no-index --find-links \S+ prefixgate", runtime_text)
+    assert "build-essential" not in runtime_text
+
+
+def test_dockerfile_copies_what_the_wheel_needs() -> None:
+    """Every COPY source exists and is not kept out by .dockerignore, and pyproject's readme is
+    among them (setuptools fails without it)."""
+    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text()
+               .splitlines() if line.strip() and not line.startswith("#")}
+    assert {".venv", "models", ".git", ".bench", "loadtest/results"} <= ignored
+    copied = set()
+    for word, args in dockerfile():
+        if word == "COPY" and not args.startswith("--from"):
+            *sources, _ = shlex.split(args)
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: no such file"
+                assert source.rstrip("/") not in ignored, f"COPY {source}: .dockerignore'd"
+                copied.add(source.rstrip("/"))
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["readme"] in copied
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]
+                ["include"]}
+    assert packages <= copied, f"packages {packages - copied} are not copied"
+
+
+def test_dockerfile_runtime() -> None:
+    """Non-root user 10001 owning /models and /cache, the default model fetched as that user
+    into /models, the `prefixgate` entry point serving on 0.0.0.0:8000."""
+    runtime = docker_stages()[1]
+    words = [w for w, _ in runtime]
+    runs = [args for word, args in runtime if word == "RUN"]
+    users = [args for word, args in runtime if word == "USER"]
+    assert users and users[-1].split(":")[0] == str(RUNTIME_UID)
+    assert any(f"--uid {RUNTIME_UID}" in r and "/models" in r and "/cache" in r for r in runs)
+    fetch = next(i for i, (w, a) in enumerate(runtime)
+                 if w == "RUN" and "python -m gateway.model_store" in a)
+    assert "FETCH_MODEL" in runtime[fetch][1], "a build arg must be able to skip the model"
+    assert words.index("USER") < fetch, "the model must be fetched as the runtime user"
+    # Where gateway.model_store puts the model under the image's environment.
+    env = {**docker_env(runtime), "PATH": "/usr/bin:/bin"}
+    where = subprocess.run([sys.executable, "-c", "from gateway.model_store import MODEL_DIR; "
+                            "print(MODEL_DIR)"], env=env, cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert where == "/models"
+
+    exposed = next(args for word, args in runtime if word == "EXPOSE")
+    assert exposed.split("/")[0] == str(GATEWAY_PORT)
+    entrypoint = json.loads(next(args for word, args in runtime if word == "ENTRYPOINT"))
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoint == ["prefixgate"] and scripts["prefixgate"] == "gateway.cli:main"
+    cmd = json.loads(next(args for word, args in runtime if word == "CMD"))
+    parsed = build_parser().parse_args(cmd)
+    assert (parsed.host, parsed.port) == ("0.0.0.0", GATEWAY_PORT)
+    health = next(args for word, args in runtime if word == "HEALTHCHECK")
+    assert healthcheck_url(health) == ("/health", GATEWAY_PORT)
+    assert "/health" in get_paths()
+
+
+# ---- compose.yaml --------------------------------------------------------------------------------
+
+def test_compose_config_validates() -> None:
+    """docker-compose's own validation (Debian's v1 is what `make system-deps` installs)."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (make system-deps installs it)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
+    result = subprocess.run([exe, "-f", str(COMPOSE), "config"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)
+    assert set(rendered["services"]) == {"gateway", "redis", "prometheus", "grafana", "locust"}
+
+
+def test_compose_references_exist() -> None:
+    """Bind-mount sources, the build context and its Dockerfile, named volumes, and the files
+    services are told to read inside their mounts."""
+    config = compose()
+    declared = set(config.get("volumes") or {})
+    for name, svc in config["services"].items():
+        if "build" in svc:
+            build = svc["build"] if isinstance(svc["build"], dict) else {"context": svc["build"]}
+            context = ROOT / build["context"]
+            assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
+        for source, _ in mounts(svc):
+            if is_bind(source):
+                assert (ROOT / source).exists(), f"{name}: bind mount source {source} is missing"
+            else:
+                assert source in declared, f"{name}: volume {source} is not declared"
+
+    locust = service("locust")
+    assert locust.get("profiles") == ["loadtest"]
+    locustfile = locust["command"][locust["command"].index("-f") + 1]
+    assert host_path(locust, locustfile) == (ROOT / "loadtest" / "locustfile.py").resolve()
+
+    prometheus = service("prometheus")
+    assert host_path(prometheus, "/etc/prometheus/prometheus.yml") == PROMETHEUS_CONFIG.resolve()
+
+    grafana = service("grafana")
+    provisioning = host_path(grafana, "/etc/grafana/provisioning")
+    assert provisioning == (GRAFANA / "provisioning").resolve()
+    assert list((provisioning / "datasources").glob("*.yml"))
+    providers = [p for f in (provisioning / "dashboards").glob("*.yml")
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    assert providers, "no dashboard provider"
+    for provider in providers:
+        assert (host_path(grafana, provider["options"]["path"]) / DASHBOARD.name).is_file()
+    home = environment(grafana).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    if home:
+        assert host_path(grafana, home) == DASHBOARD.resolve()
+
+
+def test_locustfile_runs_in_the_stock_image() -> None:
+    """The locust service runs the mounted locustfile in locustio/locust, which has nothing of
+    this project: it may import only the standard library and locust."""
+    tree = ast.parse((ROOT / "loadtest" / "locustfile.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import needs the project"
+            modules = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            top = module.split(".")[0]
+            assert top in sys.stdlib_module_names or top == "locust", f"imports {module}"
+    assert service("locust")["image"].split(":")[0] == "locustio/locust"
+
+
+def test_compose_gateway() -> None:
+    """The gateway service: the port and health path it serves, /dev/shm room for the pool,
+    Redis it depends on, time to drain on stop."""
+    gateway = service("gateway")
+    ports = [str(p).split(":") for p in gateway["ports"]]
+    assert any(int(p[-1]) == GATEWAY_PORT for p in ports), ports
+    path, port = healthcheck_url(gateway["healthcheck"]["test"])
+    assert path in get_paths() and port == GATEWAY_PORT
+    env = environment(gateway)
+    cache_mb = int(env.get("PREFIXGATE_CACHE_MB", build_parser().get_default("cache_mb")))
+    assert to_bytes(gateway["shm_size"]) >= SHM_HEADROOM * cache_mb * 2**20
+    assert "redis" in gateway["depends_on"]
+    redis_url = urlsplit(env["PREFIXGATE_REDIS_URL"])
+    assert redis_url.scheme == "redis" and redis_url.hostname == "redis"
+    assert redis_url.port == 6379
+    assert env["PREFIXGATE_CACHE_DIR"] in [target for _, target in mounts(gateway)]
+    grace = re.fullmatch(r"(\d+)s", gateway["stop_grace_period"])
+    assert grace and int(grace.group(1)) > build_parser().get_default("drain_seconds")
+    assert service("gateway")["image"] == "prefixgate:latest"
+
+    redis = service("redis")
+    command = redis["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert "--maxmemory" in command
+    assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+
+
+def test_prometheus_and_grafana_point_at_their_services() -> None:
+    """Prometheus scrapes the gateway's /metrics every 5 s; Grafana's datasource is that
+    Prometheus, and the dashboard queries it by uid."""
+    services = compose()["services"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = config["scrape_configs"]
+    job = next(j for j in jobs if j["job_name"] == "prefixgate")
+    assert job.get("scrape_interval", config["global"].get("scrape_interval")) == "5s"
+    assert job.get("metrics_path", "/metrics") in get_paths()
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"gateway:{GATEWAY_PORT}"] and "gateway" in services
+
+    sources = [d for f in (GRAFANA / "provisioning" / "datasources").glob("*.yml")
+               for d in yaml.safe_load(f.read_text())["datasources"]]
+    assert len(sources) == 1 and sources[0]["type"] == "prometheus"
+    url = urlsplit(sources[0]["url"])
+    assert url.hostname in services and url.port == 9090
+
+    uids = {node["uid"] for node in walk(json.loads(DASHBOARD.read_text()))
+            if isinstance(node, dict) and node.get("type") == "prometheus" and "uid" in node}
+    assert uids == {sources[0]["uid"]}
+
+
+# ---- the dashboard against a live scrape -------------------------------------------------------
+
+def walk(node: Any) -> Iterator[Any]:
+    yield node
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL expression of the dashboard: panel targets and template variable queries."""
+    out = []
+    for node in walk(json.loads(DASHBOARD.read_text())):
+        if isinstance(node, dict):
+            out += [v for k, v in node.items()
+                    if k in {"expr", "query", "definition"} and isinstance(v, str)]
+    return out
+
+
+REQUIRED_PANELS = {
+    "prefixgate_time_to_first_token_seconds_bucket",
+    "prefixgate_inter_token_latency_seconds_bucket",
+    "prefixgate_generation_tokens_total", "prefixgate_prefix_cache_hits_total",
+    "prefixgate_prefix_cache_queries_total", "prefixgate_kv_pool_blocks_used",
+    "prefixgate_kv_pool_blocks_free", "prefixgate_kv_pool_bytes_used", "prefixgate_kv_cells_used",
+    "prefixgate_kv_cells_total", "prefixgate_prefix_cache_evictions_total",
+    "prefixgate_num_requests_waiting", "prefixgate_num_requests_running", "prefixgate_worker_up",
+    "prefixgate_prefix_cache_tier_hits_total", "prefixgate_prefix_cache_tier_errors_total",
+}
+
+
+def scrape(server: GatewayProcess) -> tuple[dict[str, list[dict[str, str]]], dict[str, str]]:
+    """Sample name -> the label sets it has, and sample name -> its family's type."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, list[dict[str, str]]] = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample.labels)
+            types[sample.name] = family.type
+    return samples, types
+
+
+def test_dashboard_queries_exported_metrics(gateway: GatewayProcess) -> None:
+    """Every metric a panel queries is a sample name a live /metrics exports (counters with
+    _total, histograms by _bucket/_sum/_count), every label value it selects exists, counters
+    and histograms are only read through rate(), gauges never."""
+    client = openai_client(gateway)
+    stream = client.completions.create(model=gateway.model_name, prompt="The harbour archive",
+                                       max_tokens=8, stream=True)
+    for _ in stream:  # observed into the histograms, routed (routing_decisions has a sample)
+        pass
+    samples, types = scrape(gateway)
+
+    queries = dashboard_queries()
+    used = {m.group(1) for q in queries for m in METRIC.finditer(q)}
+    assert used >= REQUIRED_PANELS, f"no panel for {sorted(REQUIRED_PANELS - used)}"
+    for query in queries:
+        for match in METRIC.finditer(query):
+            name, selector = match.groups()
+            assert name in samples, f"{name} is not exported (query {query!r})"
+            for label, op, value in MATCHER.findall(selector or ""):
+                if op == "=" and "$" not in value:
+                    assert any(labels.get(label) == value for labels in samples[name]), \
+                        f"no {name} sample has {label}={value!r}"
+        rated = set(RATED.findall(query))
+        for name in {m.group(1) for m in METRIC.finditer(query)}:
+            kind = types[name]
+            if name in rated:
+                assert kind in {"counter", "histogram"}, f"rate() over the {kind} {name}"
+            elif "label_values" not in query:
+                assert kind == "gauge", f"the {kind} {name} is read without rate()"
+    for query in queries:
+        for name in re.findall(r"histogram_quantile\([^,]+,.*?(prefixgate_[a-z0-9_]+)", query):
+            assert name.endswith("_bucket") and types[name] == "histogram", query
+
+
+# ---- Kubernetes ----------------------------------------------------------------------------------
+
+def test_k8s_manifests_parse_and_are_listed() -> None:
+    """The kustomization lists files that exist, and every manifest in deploy/k8s."""
+    resources = k8s_resources()
+    for resource in resources:
+        assert (K8S / resource).is_file(), f"kustomization lists missing {resource}"
+    manifests = {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert manifests == set(resources), "a manifest the kustomization does not apply"
+    for doc in k8s_docs():
+        assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
+    assert {"ConfigMap", "Deployment", "Service"} <= {d["kind"] for d in k8s_docs()}
+
+
+def selects(selector: dict[str, str], deployment: dict[str, Any]) -> bool:
+    return selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_services_reach_their_pods() -> None:
+    """Each Service selects a Deployment's pods and targets a port their container declares;
+    each Deployment's selector matches its own pod labels; a NetworkPolicy admits pods that
+    exist (a stale selector would cut the gateways off Redis)."""
+    deployments = k8s_kind("Deployment")
+    for deployment in deployments:
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for svc in k8s_kind("Service"):
+        selector = svc["spec"]["selector"]
+        matched = [d for d in deployments if selects(selector, d)]
+        assert len(matched) == 1, f"Service {svc['metadata']['name']} selects {len(matched)}"
+        containers = matched[0]["spec"]["template"]["spec"]["containers"]
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert any(target in (p["containerPort"], p.get("name"))
+                       for c in containers for p in c.get("ports") or []), (svc, target)
+    for policy in k8s_kind("NetworkPolicy"):
+        spec = policy["spec"]
+        assert any(selects(spec["podSelector"]["matchLabels"], d) for d in deployments)
+        for rule in spec.get("ingress") or []:
+            for peer in rule.get("from") or []:
+                assert any(selects(peer["podSelector"]["matchLabels"], d) for d in deployments)
+
+
+def test_k8s_gateway_pod() -> None:
+    """Probes on /health at 8000, settings from the ConfigMap, a memory /dev/shm with room for
+    the pool, non-root as the image's user, the image compose builds."""
+    deployment = k8s_gateway()
+    pod = deployment["spec"]["template"]["spec"]
+    container = next(c for c in pod["containers"] if "prefixgate" in c["image"])
+    assert container["image"] == service("gateway")["image"] == "prefixgate:latest"
+    assert container_port(container, GATEWAY_PORT) == GATEWAY_PORT
+    for probe in ("readinessProbe", "livenessProbe"):
+        http = container[probe]["httpGet"]
+        assert http["path"] in get_paths() and http["path"] == "/health", probe
+        assert container_port(container, http["port"]) == GATEWAY_PORT, probe
+
+    names = {d["metadata"]["name"] for d in k8s_kind("ConfigMap")}
+    refs = [e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e]
+    assert refs and set(refs) <= names
+    config = k8s_config()
+    assert all(isinstance(v, str) for v in config.values()), "ConfigMap values must be strings"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert set(mounted.values()) <= set(volumes)
+    shm = volumes[mounted["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    cache_mb = int(config.get("PREFIXGATE_CACHE_MB", build_parser().get_default("cache_mb")))
+    assert to_bytes(shm["sizeLimit"]) >= SHM_HEADROOM * cache_mb * 2**20
+    # The memory-backed /dev/shm counts against the container's memory.
+    assert to_bytes(container["resources"]["limits"]["memory"]) > to_bytes(shm["sizeLimit"])
+    assert config["PREFIXGATE_CACHE_DIR"] in mounted
+    # The snapshot is written beside the previous one, then renamed over it.
+    snapshot = volumes[mounted[config["PREFIXGATE_CACHE_DIR"]]].get("emptyDir") or {}
+    if "sizeLimit" in snapshot:
+        assert to_bytes(snapshot["sizeLimit"]) >= 2 * cache_mb * 2**20
+
+    context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    assert context["runAsNonRoot"] is True and context["runAsUser"] == RUNTIME_UID
+    drain = float(config.get("PREFIXGATE_DRAIN_SECONDS", 30))
+    assert pod["terminationGracePeriodSeconds"] > drain
+
+    redis_url = urlsplit(config["PREFIXGATE_REDIS_URL"])
+    services = {s["metadata"]["name"]: s for s in k8s_kind("Service")}
+    assert redis_url.hostname in services
+    assert redis_url.port in [p["port"] for p in services[redis_url.hostname]["spec"]["ports"]]
+
+
+def test_kubectl_kustomize() -> None:
+    """kustomize's own build of the manifests (no cluster needed)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH")
+    result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(result.stdout) if d)
+    assert kinds == sorted(d["kind"] for d in k8s_docs())
