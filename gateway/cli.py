@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a sequence; beyond, 429 with Retry-After")
     p.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
                    help="largest request body (413 beyond)")
+    p.add_argument("--max-n", type=int, default=Limits.max_n,
+                   help="most choices (n) one request may ask for")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="most completion tokens a request may ask for (400 beyond)")
     p.add_argument("--request-timeout", type=float, default=Limits.request_timeout,
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         keys=keys,
         metrics_key=args.metrics_key,
         limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
-                      request_timeout=args.request_timeout or None),
+                      request_timeout=args.request_timeout or None, max_n=args.max_n),
         chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
         log_prompts=args.log_prompts,
     )

@@ -80,3 +80,4 @@ class Limits:
     max_body_bytes: int = 16 << 20  # far above any prompt a context holds
     max_tokens: int | None = None  # completion tokens a request may ask for; None: its room
     request_timeout: float | None = 600.0  # seconds from arrival to the last token
+    max_n: int = 8  # choices one request may ask for

@@ -40,7 +40,7 @@ from gateway.llama import (
     Model,
     Sampler,
 )
-from gateway.messages import EngineSnapshot, GenerationRequest, Output, Usage
+from gateway.messages import EngineSnapshot, GenerationRequest, Output, TokenLogprob, Usage
 from gateway.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from gateway.textstream import TextStream
 
@@ -76,6 +76,7 @@ class _Sequence:
     sampler: Sampler | None = None
     text: TextStream | None = None
     holds: list[int] = field(default_factory=list)  # leases kept for resuming after preemption
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet delivered
 
     @property
     def n_generated(self) -> int:
@@ -123,6 +124,7 @@ class Engine:
         self._paused_by_preemption = False  # until a running request releases its cells
         self._preemptions = 0
         self._shared_tokens = 0
+        self._computed_tokens = 0
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against the engine stopping or dying
         self.failure: str | None = None  # why the engine thread died, if it did
@@ -216,6 +218,8 @@ class Engine:
                     self._finish(seq, Output(error=str(exc)))
                 return
         for seq, n_tokens, batch_index in entries:
+            if seq.n_generated == 0:
+                self._computed_tokens += n_tokens
             seq.n_past += n_tokens
             self.cells.add(seq.slot, n_tokens)
             if batch_index is not None:
@@ -274,8 +278,7 @@ class Engine:
 
     def _start(self, seq: _Sequence, donor: _Sequence | None, live: int) -> None:
         if seq.sampler is None:
-            seq.sampler = Sampler(seq.request.sampler, self.model.n_vocab,
-                                  penalty_window=self.seq_len)
+            seq.sampler = Sampler(seq.request.sampler, self.model, penalty_window=self.seq_len)
             seq.text = TextStream(seq.request.stop)
         seq.slot = self._free_slots.pop()
         seq.admitted = next(self._admissions)
@@ -330,7 +333,9 @@ class Engine:
         pending = max((_common_prefix(tokens, other.prompt[:-1]) for other in self._running
                        if other.n_generated == 0 and other.pending > 1
                        and other.request.namespace == namespace), default=0)
-        return pending - max(live, min(pool_hint, pending)) >= self.cache.block_size
+        have = max(live, min(pool_hint, pending))
+        # A block more to gain, or all of it: the same prompt (n choices, a retry) always waits.
+        return pending - have >= self.cache.block_size or pending >= len(tokens) > have
 
     # ----- one step ---------------------------------------------------------------------------
 
@@ -386,6 +391,8 @@ class Engine:
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
         request = seq.request
+        # Before bias and penalties touch the logits: the model's own distribution.
+        raw = self.ctx.logits(batch_index).copy() if request.logprobs is not None else None
         suppress_eog = request.ignore_eos or seq.n_generated < request.min_tokens
         if suppress_eog or request.logit_bias:
             logits = self.ctx.logits(batch_index)
@@ -400,6 +407,8 @@ class Engine:
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
             return
         seq.tokens.append(token)
+        if raw is not None:
+            seq.logprobs.append(_token_logprob(raw, token, request.logprobs))
         text = seq.text.push(self.model.token_piece(token))
         if seq.text.stopped:
             self._finish(seq, Output(text=text, finish_reason="stop"))
@@ -407,7 +416,7 @@ class Engine:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
         else:
             if text:
-                seq.handle.deliver(Output(text=text))
+                seq.handle.deliver(Output(text=text, logprobs=_take(seq.logprobs)))
             if self.cache and prompt_done and not self.unified:
                 # Without shared cells, a request arriving meanwhile takes the prompt from the
                 # pool: store it as soon as the first token is out.
@@ -422,7 +431,8 @@ class Engine:
         self._release(seq)  # before the client hears the end, so nothing of it is left then
         seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error,
                                   output.unavailable,
-                                  tuple(seq.tokens[len(seq.request.prompt_tokens):])))
+                                  tuple(seq.tokens[len(seq.request.prompt_tokens):]),
+                                  _take(seq.logprobs)))
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
@@ -455,6 +465,7 @@ class Engine:
             running=len(self._running), waiting=len(self._waiting),
             cells_used=self.cells.used, cells_total=self.cells.n_cells,
             preemptions=self._preemptions, shared_tokens=self._shared_tokens,
+            computed_tokens=self._computed_tokens,
             cache=dataclasses.replace(cache.stats) if cache else None, failure=self.failure)
         if self._on_publish:
             self._on_publish(self.snapshot)
@@ -464,3 +475,18 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differs = np.flatnonzero(a[:n] != b[:n])
     return int(differs[0]) if len(differs) else n
+
+
+def _token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    shifted = logits.astype(np.float64) - logits.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best = np.argpartition(-logprobs, top)[:top] if top else np.empty(0, np.int64)
+    best = best[np.argsort(-logprobs[best])]
+    return TokenLogprob(token, float(logprobs[token]),
+                        tuple((int(t), float(logprobs[t])) for t in best))
+
+
+def _take(pending: list[TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    taken = tuple(pending)
+    pending.clear()
+    return taken

@@ -265,15 +265,22 @@ class SamplerSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: str | None = None  # GBNF the output must follow (structured outputs)
 
 
 class Sampler:
     """A llama.cpp sampler chain for one request. The chain keeps the penalty history, so each
     request owns one."""
 
-    def __init__(self, settings: SamplerSettings, n_vocab: int, penalty_window: int) -> None:
-        s = settings
+    def __init__(self, settings: SamplerSettings, model: Model, penalty_window: int) -> None:
+        s, n_vocab = settings, model.n_vocab
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if s.grammar is not None:  # first: what follows only ever sees allowed tokens
+            grammar = lc.llama_sampler_init_grammar(model.vocab, s.grammar.encode(), b"root")
+            if not grammar:
+                self.close()
+                raise ValueError("llama.cpp could not parse the output grammar")
+            self._add(grammar)
         if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
             self._add(lc.llama_sampler_init_penalties(
                 n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty,

@@ -36,6 +36,7 @@ class GenerationRequest:
     # The tenant's cache namespace, set by the server from the API key, never by the client:
     # its prefixes (in the pool and in live sequences) are shared with no other namespace.
     namespace: str = ""
+    logprobs: int | None = None  # None: none; k: each chosen token's and the k likeliest
 
     @functools.cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -52,6 +53,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution (before penalties,
+    bias and temperature, as OpenAI and vLLM define it), with the likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Output:
     """One engine step's result for a request: new text, and on the last one why it ended."""
 
@@ -61,6 +72,7 @@ class Output:
     error: str | None = None
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
     generated: tuple[int, ...] = ()  # on the last output: every generated token id
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this output's text came from
 
     @property
     def last(self) -> bool:
@@ -90,6 +102,7 @@ class EngineSnapshot:
     cells_total: int = 0
     preemptions: int = 0
     shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
+    computed_tokens: int = 0  # prompt tokens prefilled: neither shared nor loaded
     cache: CacheStats | None = None
     failure: str | None = None  # why the engine thread died, if it did
 

@@ -106,6 +106,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("prefixgate_num_preemptions",
                                   "Requests paused because the KV cells ran out",
                                   value=total("preemptions"))
+        yield CounterMetricFamily("prefixgate_prompt_tokens_computed",
+                                  "Prompt tokens prefilled: neither shared from a live sequence "
+                                  "nor loaded from a cache tier",
+                                  value=total("computed_tokens"))
         yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
                                   "Prompt tokens taken from live sequences' cells (seq_cp)",
                                   value=total("shared_tokens"))

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.errors import APIError, invalid
 from gateway.llama import SamplerSettings
 from gateway.messages import GenerationRequest
+from gateway.structured import grammar_for
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -72,7 +73,7 @@ class _Sampling(_Strict):
 
     def _unsupported(self) -> dict[str, bool]:
         """Parameter name -> whether the request asks for something we do not implement."""
-        return {"n": (self.n or 1) != 1}
+        return {}
 
     def check_supported(self) -> None:
         for param, asked in self._unsupported().items():
@@ -84,6 +85,13 @@ class _Sampling(_Strict):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def output_grammar(self) -> str | None:
+        return None
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k likeliest alternatives."""
+        return None
 
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
                       max_tokens_cap: int | None = None, namespace: str = ""
@@ -105,6 +113,7 @@ class _Sampling(_Strict):
             prompt_tokens=prompt_tokens,
             max_tokens=room if wanted is None else min(wanted, room),
             sampler=SamplerSettings(
+                grammar=self.output_grammar(),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=max(self.top_k or 0, 0),
@@ -119,6 +128,7 @@ class _Sampling(_Strict):
             min_tokens=self.min_tokens,
             logit_bias=self._token_biases(n_vocab),
             namespace=namespace,
+            logprobs=self.logprob_count(),
         )
 
     def _token_biases(self, n_vocab: int) -> dict[int, float]:
@@ -136,7 +146,7 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -148,10 +158,6 @@ class ChatCompletionRequest(_Sampling):
 
     def _unsupported(self) -> dict[str, bool]:
         return super()._unsupported() | {
-            "logprobs": bool(self.logprobs),
-            "top_logprobs": self.top_logprobs is not None,
-            "response_format": self.response_format is not None
-            and self.response_format.type != "text",
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
@@ -161,6 +167,19 @@ class ChatCompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("'top_logprobs' needs 'logprobs' to be true", "top_logprobs")
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def output_grammar(self) -> str | None:
+        if self.response_format is None:
+            return None
+        return grammar_for(self.response_format.type, self.response_format.json_schema)
+
 
 class CompletionRequest(_Sampling):
     prompt: (str | Annotated[list[str], Field(min_length=1)]
@@ -169,7 +188,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def _unsupported(self) -> dict[str, bool]:
         batched = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
@@ -178,8 +197,10 @@ class CompletionRequest(_Sampling):
             "echo": self.echo,
             "best_of": (self.best_of or 1) != 1,
             "suffix": self.suffix is not None,
-            "logprobs": self.logprobs is not None,
         }
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids (a one-element batch is unwrapped)."""

@@ -6,11 +6,13 @@ The data path of a request reads top to bottom: parse -> prompt tokens -> engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
@@ -21,11 +23,11 @@ from gateway.config import Limits, WorkersConfig
 from gateway.engine import EngineUnavailable
 from gateway.errors import APIError, invalid
 from gateway.llama import Model
-from gateway.messages import Output
+from gateway.messages import Output, Usage
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from gateway.responses import ChatWriter, CompletionWriter, ResponseWriter
+from gateway.responses import ChatWriter, Choice, CompletionWriter, ResponseWriter
 from gateway.workers import GenerationHandle, Overloaded, Workers
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages)
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
-    return await _generate(request, body, prompt_tokens, ChatWriter(body.model))
+    return await _generate(request, body, prompt_tokens,
+                           ChatWriter(body.model, _token_bytes(gateway, body)))
 
 
 @routes.post("/v1/completions")
@@ -157,7 +160,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                                 body.single_prompt())
     except ValueError as exc:
         raise invalid(str(exc), "prompt") from None
-    return await _generate(request, body, prompt_tokens, CompletionWriter(body.model))
+    return await _generate(request, body, prompt_tokens,
+                           CompletionWriter(body.model, _token_bytes(gateway, body)))
+
+
+def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionRequest):
+    """What a response writer spells tokens with, when the request asked for logprobs."""
+    return gateway.model.token_piece if body.logprob_count() is not None else None
 
 
 async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
@@ -167,10 +176,19 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
                                     gateway.model.n_vocab, limits.max_tokens,
                                     namespace=request["namespace"])
+    n = body.n or 1
+    if n > limits.max_n:
+        raise invalid(f"n is {n}; this server answers at most {limits.max_n} choices "
+                      "(--max-n)", "n")
     if gateway.workers.tier is not None:  # a local miss may be another replica's hit
         await asyncio.to_thread(gateway.workers.fetch_from_tier, generation)
+    # Every choice samples with its own seed (seed + i when one is given, so results repeat);
+    # they share the prompt's cells, computed once.
+    seed = generation.sampler.seed
+    generations = [dataclasses.replace(generation, sampler=dataclasses.replace(
+        generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
     try:
-        handle = gateway.workers.submit(generation)
+        handles = gateway.workers.submit_group(generations)
     except Overloaded as exc:
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
                        code="rate_limit_exceeded",
@@ -179,17 +197,18 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
         raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
                        ) from None
     timer = gateway.metrics.request_timer()
-    parts: list[str] = []
+    choices = [Choice() for _ in handles]
     try:
         if body.stream:
-            return await _stream(request, handle, writer, body.include_usage, timer,
-                                 limits.request_timeout, parts)
-        return await _collect(handle, writer, timer, limits.request_timeout, parts)
+            return await _stream(request, handles, writer, body.include_usage, timer,
+                                 limits.request_timeout, choices)
+        return await _collect(handles, writer, timer, limits.request_timeout, choices)
     finally:
-        handle.cancel()  # a no-op once finished; frees the sequence if the client went away
+        for handle in handles:
+            handle.cancel()  # a no-op once finished; frees the sequence if the client left
         if gateway.config.log_prompts:
-            log.info("tenant %r prompt %r answer %r", request["tenant"],
-                     gateway.model.detokenize(prompt_tokens), "".join(parts))
+            log.info("tenant %r prompt %r answers %r", request["tenant"],
+                     gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
 
 
 def _timed_out(seconds: float) -> APIError:
@@ -197,41 +216,79 @@ def _timed_out(seconds: float) -> APIError:
                     code="timeout")
 
 
-async def _collect(handle: GenerationHandle, writer: ResponseWriter, timer,
-                   timeout: float | None, parts: list[str]) -> web.Response:
+async def _outputs(handles: list[GenerationHandle]) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs as they come, with the choice's index."""
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+    async def pump(i: int, handle: GenerationHandle) -> None:
+        async for output in handle.outputs():
+            await merged.put((i, output))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    unfinished = len(handles)
+    try:
+        while unfinished:
+            i, output = await merged.get()
+            yield i, output
+            unfinished -= output.last
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def _total_usage(usages: list[Usage]) -> Usage:
+    """The prompt once, every choice's completion tokens."""
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                 usages[0].cached_tokens)
+
+
+async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, timer,
+                   timeout: float | None, choices: list[Choice]) -> web.Response:
+    usages = []
     try:
         async with asyncio.timeout(timeout):
-            async for output in handle.outputs():
+            async for i, output in _outputs(handles):
                 timer.on_output(output)
                 if output.error:
                     raise _generation_error(output)
-                parts.append(output.text)
+                choices[i].text += output.text
+                choices[i].logprobs += output.logprobs
+                if output.last:
+                    choices[i].finish_reason = output.finish_reason
+                    usages.append(output.usage)
     except TimeoutError:
         raise _timed_out(timeout) from None
-    return _json(writer.whole("".join(parts), output.finish_reason, output.usage))
+    return _json(writer.whole(choices, _total_usage(usages)))
 
 
-async def _stream(request: web.Request, handle: GenerationHandle, writer: ResponseWriter,
-                  include_usage: bool, timer, timeout: float | None,
-                  parts: list[str]) -> web.StreamResponse:
+async def _stream(request: web.Request, handles: list[GenerationHandle],
+                  writer: ResponseWriter, include_usage: bool, timer, timeout: float | None,
+                  choices: list[Choice]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
     if isinstance(writer, ChatWriter):
-        await _event(response, writer.chunk("", first=True, with_usage_field=include_usage))
+        for i in range(len(handles)):
+            await _event(response, writer.chunk("", first=True, with_usage_field=include_usage,
+                                                index=i))
+    usages = []
     try:
         async with asyncio.timeout(timeout):
-            async for output in handle.outputs():
+            async for i, output in _outputs(handles):
                 timer.on_output(output)
                 if output.error:
                     await _event(response, _generation_error(output).body())
                     break
-                parts.append(output.text)
+                choices[i].text += output.text
                 if output.text or output.finish_reason:
                     await _event(response, writer.chunk(output.text, output.finish_reason,
-                                                        with_usage_field=include_usage))
-                if output.usage and include_usage:
-                    await _event(response, writer.usage_chunk(output.usage))
+                                                        with_usage_field=include_usage,
+                                                        logprobs=output.logprobs, index=i))
+                if output.usage:
+                    usages.append(output.usage)
+            else:
+                if include_usage:
+                    await _event(response, writer.usage_chunk(_total_usage(usages)))
     except TimeoutError:
         await _event(response, _timed_out(timeout).body())
     await response.write(b"data: [DONE]\n\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -226,8 +227,14 @@ class Workers:
             return sum(len(w.requests) for w in self._workers)
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests: list[GenerationRequest]) -> list[GenerationHandle]:
+        """Requests on one prompt (a request's n choices), routed together to one worker, so
+        that the prompt is computed once and its cells shared."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
+        request = requests[0]
         prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
         namespace = request.namespace
         pool_cached = self.index.cached_length(prompt, namespace) if self.index else 0
@@ -237,19 +244,21 @@ class Workers:
                 raise EngineUnavailable("no engine worker is ready")
             in_flight = sum(len(w.requests) for w in self._workers)
             capacity = len(ready) * self.config.engine.parallel + self.config.max_queue
-            if in_flight >= capacity:
+            if in_flight + len(requests) > capacity:
                 raise Overloaded(f"{in_flight} requests in flight, room for {capacity}")
             loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()
                                               if r.namespace == namespace]) for w in ready]
             chosen, reason = self.router.choose(prompt, loads, pool_cached)
             worker = next(w for w in ready if w.worker_id == chosen.worker_id)
-            request_id = next(self._ids)
-            handle = GenerationHandle(self._loop,
-                                      on_cancel=lambda: self._cancel(worker, request_id))
-            worker.requests[request_id] = _InFlight(handle, prompt, namespace)
+            ids, handles = [next(self._ids) for _ in requests], []
+            for request_id in ids:
+                handles.append(GenerationHandle(
+                    self._loop, on_cancel=functools.partial(self._cancel, worker, request_id)))
+                worker.requests[request_id] = _InFlight(handles[-1], prompt, namespace)
             worker.routed[reason] += 1
-        worker.send(Submit(request_id, request, pool_cached))
-        return handle
+        for request_id, each in zip(ids, requests, strict=True):
+            worker.send(Submit(request_id, each, pool_cached))
+        return handles
 
     # ----- the Redis tier ------------------------------------------------------------------------
 

@@ -1,0 +1,75 @@
+"""`response_format` -> a GBNF grammar that llama.cpp's grammar sampler enforces token by token.
+
+JSON schemas go through llama-cpp-python's own converter (`llama_grammar.json_schema_to_gbnf`).
+It ignores what it cannot express (numeric bounds, `not`, `uniqueItems`, ...), which would let
+through output the schema forbids, so every keyword is checked first against what it supports:
+anything else is a 400 that names the keyword, never a grammar that silently enforces less.
+"""
+
+from __future__ import annotations
+
+import json
+
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+from gateway.errors import invalid
+
+# Keywords the converter enforces, or that do not constrain output (annotations).
+_ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems",
+             "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+             "pattern", "minLength", "maxLength", "format"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}
+_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
+_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+PARAM = "response_format.json_schema"
+
+
+def grammar_for(kind: str, json_schema: dict | None) -> str | None:
+    """The grammar for a response_format of `kind` (text, json_object or json_schema)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_GBNF
+    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+        raise invalid("response_format json_schema needs a `schema` object", PARAM)
+    schema = json_schema["schema"]
+    _check(schema, "schema")
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except (ValueError, KeyError, AssertionError, RecursionError) as exc:
+        raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", PARAM) from None
+
+
+def _check(schema: object, where: str) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise invalid(f"{where} must be a JSON schema object", PARAM)
+    for key, value in schema.items():
+        if key not in _ENFORCED | _ANNOTATIONS:
+            raise invalid(f"the JSON schema keyword '{key}' (at {where}) is not supported: "
+                          "outputs could not be constrained by it", PARAM, "unsupported")
+        if key in ("properties", "$defs", "definitions"):
+            for name, sub in _mapping(value, f"{where}.{key}").items():
+                _check(sub, f"{where}.{key}.{name}")
+        elif key in ("items", "additionalProperties"):
+            _check(value, f"{where}.{key}")
+        elif key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+            if not isinstance(value, list):
+                raise invalid(f"{where}.{key} must be a list of schemas", PARAM)
+            for i, sub in enumerate(value):
+                _check(sub, f"{where}.{key}[{i}]")
+        elif key == "format" and value not in _FORMATS:
+            raise invalid(f"the string format '{value}' (at {where}) is not supported", PARAM,
+                          "unsupported")
+        elif key == "type":
+            types = value if isinstance(value, list) else [value]
+            if not all(t in _TYPES for t in types):
+                raise invalid(f"{where}.type {value!r} is not a JSON schema type", PARAM)
+
+
+def _mapping(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise invalid(f"{where} must be an object", PARAM)
+    return value

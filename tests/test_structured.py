@@ -1,0 +1,73 @@
+"""Structured outputs: every greedy and sampled answer to a json_schema response_format parses
+and validates against the schema; json_object gives JSON; what cannot be enforced is a 400."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+SCHEMAS = {
+    "nested object": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "address": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False},
+    "array of enums": {
+        "type": "object",
+        "properties": {"colours": {"type": "array", "minItems": 1, "maxItems": 4,
+                                   "items": {"enum": ["red", "green", "blue"]}}},
+        "required": ["colours"], "additionalProperties": False},
+    "required and optional": {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 30},
+                       "year": {"type": "integer"}, "rating": {"type": "number"},
+                       "available": {"type": "boolean"}},
+        "required": ["title", "year", "available"], "additionalProperties": False},
+}
+
+
+def structured(client, model, schema, **sampling):
+    r = client.chat.completions.create(
+        model=model, max_tokens=200, messages=[
+            {"role": "user", "content": "Describe a book, a person or colours as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}}, **sampling)
+    return r.choices[0]
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_output_validates_against_its_schema(client, model_name, name):
+    schema = SCHEMAS[name]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1},
+                     {"temperature": 1.0, "seed": 2}):
+        choice = structured(client, model_name, schema, **sampling)
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_gives_json(client, model_name):
+    r = client.chat.completions.create(
+        model=model_name, max_tokens=120, temperature=0.7, seed=3,
+        messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("keyword,schema", [
+    ("minimum", {"type": "integer", "minimum": 3}),
+    ("uniqueItems", {"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+    ("not", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+])
+def test_a_keyword_that_cannot_be_enforced_is_a_400_naming_it(client, model_name, keyword,
+                                                              schema):
+    with pytest.raises(openai.BadRequestError) as raised:
+        structured(client, model_name, schema)
+    assert f"'{keyword}'" in raised.value.body["message"]
+    assert raised.value.body["param"] == "response_format.json_schema"
