@@ -3,6 +3,7 @@ of range, or a feature we do not implement is a 400 that names the parameter, ne
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -11,6 +12,7 @@ from gateway.errors import APIError, invalid
 from gateway.llama import SamplerSettings
 from gateway.messages import GenerationRequest
 from gateway.structured import grammar_for
+from gateway.tools import Toolbox
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -18,6 +20,9 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    def check_supported(self) -> None:
+        """Raises when the request asks for what this server does not do."""
 
 
 class StreamOptions(_Strict):
@@ -29,15 +34,51 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class CalledTool(_Strict):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[CalledTool] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(_Strict):
@@ -148,8 +189,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -158,8 +199,6 @@ class ChatCompletionRequest(_Sampling):
 
     def _unsupported(self) -> dict[str, bool]:
         return super()._unsupported() | {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
         }
@@ -175,7 +214,13 @@ class ChatCompletionRequest(_Sampling):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @functools.cached_property
+    def toolbox(self) -> Toolbox | None:
+        return Toolbox.of(self.tools, self.tool_choice)
+
     def output_grammar(self) -> str | None:
+        if self.toolbox is not None and self.toolbox.forced is not None:
+            return self.toolbox.grammar()
         if self.response_format is None:
             return None
         return grammar_for(self.response_format.type, self.response_format.json_schema)
@@ -209,7 +254,21 @@ class CompletionRequest(_Sampling):
         return self.prompt
 
 
-RequestT = TypeVar("RequestT", bound=_Sampling)
+class TokenizeRequest(_Strict):
+    """llama-server's /tokenize."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """llama-server's /detokenize."""
+
+    tokens: list[int]
+
+
+RequestT = TypeVar("RequestT", bound=_Strict)
 
 
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.messages import TokenLogprob, Usage
+from gateway.tools import ToolCall
 
 TokenBytes = Callable[[int], bytes]
 
@@ -19,6 +20,7 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_call: ToolCall | None = None  # the answer was this call (finish_reason tool_calls)
 
 
 def usage_body(usage: Usage) -> dict:
@@ -51,8 +53,8 @@ class ResponseWriter:
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
         body = self._envelope(self.object_name, [
-            {**self._choice(c.text, c.finish_reason, i), "logprobs": self._logprobs(c.logprobs, i)}
-            for i, c in enumerate(choices)])
+            {**self._choice(c.text, c.finish_reason, i), "logprobs": self._logprobs(c.logprobs, i),
+             **self._call(c.tool_call)} for i, c in enumerate(choices)])
         body["usage"] = usage_body(usage)
         return body
 
@@ -81,6 +83,10 @@ class ResponseWriter:
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         raise NotImplementedError
 
+    def _call(self, call: ToolCall | None) -> dict:
+        """What a choice that is a tool call replaces of its message."""
+        return {}
+
     def _piece(self, token: int) -> tuple[str, bytes]:
         data = self.token_bytes(token)
         return data.decode(errors="replace"), data
@@ -101,6 +107,24 @@ class ChatWriter(ResponseWriter):
             ({"content": text} if text else {})
         return {"index": index, "delta": delta, "logprobs": None,
                 "finish_reason": finish_reason}
+
+    def _call(self, call: ToolCall | None) -> dict:
+        if call is None:
+            return {}
+        return {"message": {"role": "assistant", "content": None,
+                            "tool_calls": [call.body()]}, "finish_reason": "tool_calls"}
+
+    def tool_call_chunks(self, call: ToolCall, index: int) -> list[dict]:
+        """A call streamed as the SDK's accumulator expects it: id, type and name first, then
+        the arguments, then the finish."""
+        head = {"index": 0, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}
+        deltas = [{"role": "assistant", "content": None, "tool_calls": [head]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]},
+                  {}]
+        return [self._envelope(self.chunk_object_name, [{
+            "index": index, "delta": delta, "logprobs": None,
+            "finish_reason": "tool_calls" if not delta else None}]) for delta in deltas]
 
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         """OpenAI's chat shape: content[] of token, logprob, bytes and top_logprobs."""

@@ -26,12 +26,20 @@ from gateway.llama import Model
 from gateway.messages import Output, Usage
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
 from gateway.responses import ChatWriter, Choice, CompletionWriter, ResponseWriter
+from gateway.tools import Toolbox
 from gateway.workers import GenerationHandle, Overloaded, Workers
 
 log = logging.getLogger(__name__)
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
 
 @dataclass
@@ -128,6 +136,29 @@ async def consistency(request: web.Request) -> web.Response:
     return _json({"ok": not problems, "problems": problems})
 
 
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(TokenizeRequest, await request.read())
+    gateway.require_model(gateway.config.model_name)
+    tokens = await asyncio.to_thread(gateway.model.tokenize, body.content,
+                                     add_special=body.add_special, parse_special=True)
+    if body.with_pieces:
+        return _json({"tokens": [{"id": t, "piece": gateway.model.token_piece(t).decode(
+            errors="replace")} for t in tokens]})
+    return _json({"tokens": tokens})
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(DetokenizeRequest, await request.read())
+    gateway.require_model(gateway.config.model_name)
+    if any(not 0 <= t < gateway.model.n_vocab for t in body.tokens):
+        raise invalid("tokens holds an id outside the vocabulary", "tokens")
+    return _json({"content": gateway.model.detokenize(body.tokens)})
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
@@ -143,7 +174,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway.require_model(body.model)
     # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
     try:
-        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages)
+        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages,
+                                                body.toolbox)
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
     return await _generate(request, body, prompt_tokens,
@@ -199,10 +231,11 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     timer = gateway.metrics.request_timer()
     choices = [Choice() for _ in handles]
     try:
+        toolbox = body.toolbox if isinstance(body, ChatCompletionRequest) else None
         if body.stream:
             return await _stream(request, handles, writer, body.include_usage, timer,
-                                 limits.request_timeout, choices)
-        return await _collect(handles, writer, timer, limits.request_timeout, choices)
+                                 limits.request_timeout, choices, toolbox)
+        return await _collect(handles, writer, timer, limits.request_timeout, choices, toolbox)
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
@@ -243,7 +276,8 @@ def _total_usage(usages: list[Usage]) -> Usage:
 
 
 async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, timer,
-                   timeout: float | None, choices: list[Choice]) -> web.Response:
+                   timeout: float | None, choices: list[Choice],
+                   toolbox: Toolbox | None) -> web.Response:
     usages = []
     try:
         async with asyncio.timeout(timeout):
@@ -258,12 +292,17 @@ async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, time
                     usages.append(output.usage)
     except TimeoutError:
         raise _timed_out(timeout) from None
+    if toolbox is not None:
+        for choice in choices:
+            choice.tool_call = toolbox.parse(choice.text)
     return _json(writer.whole(choices, _total_usage(usages)))
 
 
 async def _stream(request: web.Request, handles: list[GenerationHandle],
                   writer: ResponseWriter, include_usage: bool, timer, timeout: float | None,
-                  choices: list[Choice]) -> web.StreamResponse:
+                  choices: list[Choice], toolbox: Toolbox | None) -> web.StreamResponse:
+    """With tools offered, each choice is held back until it is whole: only then is it known
+    to be a call (sent as tool_calls deltas) or text."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -280,7 +319,12 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
                     await _event(response, _generation_error(output).body())
                     break
                 choices[i].text += output.text
-                if output.text or output.finish_reason:
+                if toolbox is not None:
+                    choices[i].logprobs += output.logprobs
+                    if output.last:
+                        await _finish_tool_choice(response, writer, toolbox, choices[i], i,
+                                                  output, include_usage)
+                elif output.text or output.finish_reason:
                     await _event(response, writer.chunk(output.text, output.finish_reason,
                                                         with_usage_field=include_usage,
                                                         logprobs=output.logprobs, index=i))
@@ -294,6 +338,19 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def _finish_tool_choice(response: web.StreamResponse, writer: ChatWriter,
+                              toolbox: Toolbox, choice: Choice, index: int, output: Output,
+                              include_usage: bool) -> None:
+    call = toolbox.parse(choice.text)
+    if call is not None:
+        for chunk in writer.tool_call_chunks(call, index):
+            await _event(response, chunk)
+        return
+    await _event(response, writer.chunk(choice.text, output.finish_reason, index=index,
+                                        with_usage_field=include_usage,
+                                        logprobs=choice.logprobs))
 
 
 def _generation_error(output: Output) -> APIError:
@@ -335,7 +392,7 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
     """/v1/* needs a key when keys are configured; the key's tenant is the cache namespace."""
     keys: KeyRing | None = request.app["gateway"].config.keys
     request["tenant"], request["namespace"] = None, ""
-    if keys is not None and request.path.startswith("/v1/"):
+    if keys is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
         tenant = keys.tenant(request.headers.get("Authorization"))
         if tenant is None:
             raise APIError(401, "Incorrect API key provided. Pass one as `Authorization: "

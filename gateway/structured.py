@@ -25,51 +25,52 @@ _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 PARAM = "response_format.json_schema"
 
 
-def grammar_for(kind: str, json_schema: dict | None) -> str | None:
-    """The grammar for a response_format of `kind` (text, json_object or json_schema)."""
+def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str | None:
+    """The grammar for a response_format of `kind` (text, json_object or json_schema); errors
+    name `param`."""
     if kind == "text":
         return None
     if kind == "json_object":
         return JSON_GBNF
     if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
-        raise invalid("response_format json_schema needs a `schema` object", PARAM)
+        raise invalid("response_format json_schema needs a `schema` object", param)
     schema = json_schema["schema"]
-    _check(schema, "schema")
+    _check(schema, "schema", param)
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except (ValueError, KeyError, AssertionError, RecursionError) as exc:
-        raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", PARAM) from None
+        raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", param) from None
 
 
-def _check(schema: object, where: str) -> None:
+def _check(schema: object, where: str, param: str) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise invalid(f"{where} must be a JSON schema object", PARAM)
+        raise invalid(f"{where} must be a JSON schema object", param)
     for key, value in schema.items():
         if key not in _ENFORCED | _ANNOTATIONS:
             raise invalid(f"the JSON schema keyword '{key}' (at {where}) is not supported: "
-                          "outputs could not be constrained by it", PARAM, "unsupported")
+                          "outputs could not be constrained by it", param, "unsupported")
         if key in ("properties", "$defs", "definitions"):
-            for name, sub in _mapping(value, f"{where}.{key}").items():
-                _check(sub, f"{where}.{key}.{name}")
+            for name, sub in _mapping(value, f"{where}.{key}", param).items():
+                _check(sub, f"{where}.{key}.{name}", param)
         elif key in ("items", "additionalProperties"):
-            _check(value, f"{where}.{key}")
+            _check(value, f"{where}.{key}", param)
         elif key in ("prefixItems", "anyOf", "oneOf", "allOf"):
             if not isinstance(value, list):
-                raise invalid(f"{where}.{key} must be a list of schemas", PARAM)
+                raise invalid(f"{where}.{key} must be a list of schemas", param)
             for i, sub in enumerate(value):
-                _check(sub, f"{where}.{key}[{i}]")
+                _check(sub, f"{where}.{key}[{i}]", param)
         elif key == "format" and value not in _FORMATS:
-            raise invalid(f"the string format '{value}' (at {where}) is not supported", PARAM,
+            raise invalid(f"the string format '{value}' (at {where}) is not supported", param,
                           "unsupported")
         elif key == "type":
             types = value if isinstance(value, list) else [value]
             if not all(t in _TYPES for t in types):
-                raise invalid(f"{where}.type {value!r} is not a JSON schema type", PARAM)
+                raise invalid(f"{where}.type {value!r} is not a JSON schema type", param)
 
 
-def _mapping(value: object, where: str) -> dict:
+def _mapping(value: object, where: str, param: str) -> dict:
     if not isinstance(value, dict):
-        raise invalid(f"{where} must be an object", PARAM)
+        raise invalid(f"{where} must be an object", param)
     return value

@@ -49,8 +49,11 @@ CASES = [
     (CHAT, chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", None),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "response_format.json_schema", None),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     "unsupported"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "not a name!"}}]), 400,
+     "tools[0].function.name", None),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}],
+        tool_choice="required"), 400, "tools", "unsupported"),
     (CHAT, chat(frobnicate=1), 400, "frobnicate", None),
     (CHAT, chat(logit_bias={"not-a-token": 1}), 400, "logit_bias", None),
     (CHAT, chat(model="no-such-model"), 404, "model", "model_not_found"),

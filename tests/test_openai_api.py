@@ -144,3 +144,21 @@ def test_prompt_longer_than_context_is_rejected(small_context_client, model_name
         assert exc.code == "context_length_exceeded"
     else:
         raise AssertionError("accepted a prompt longer than the context")
+
+
+def test_tokenize_and_detokenize_as_llama_server_has_them(gateway, local_model):
+    import json
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(gateway.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return json.loads(r.read())
+
+    text = "Hello from Turku!"
+    tokens = post("/tokenize", {"content": text})["tokens"]
+    assert tokens == local_model.tokenize(text, add_special=False, parse_special=True)
+    pieces = post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == tokens and "".join(p["piece"] for p in pieces) == text
+    assert post("/detokenize", {"tokens": tokens})["content"] == text

@@ -1,0 +1,97 @@
+"""Tool calling: the tool list into the prompt, a grammar that forces a valid call when one is
+required, and the answer back into OpenAI's `tool_calls`.
+
+A chat template that takes `tools` renders them itself. For one that does not (SmolLM2's), the
+tools are described in the system message in this documented format, and earlier calls and
+their results are rendered as plain turns:
+
+    You can call tools. To call one, answer with only a JSON object
+    {"name": <tool name>, "arguments": {<its arguments>}}. The tools:
+    [{"name": ..., "description": ..., "parameters": {<JSON schema>}}, ...]
+
+`tool_choice` `required` (any tool) and a named function are enforced with a grammar over that
+JSON, so even a small model returns a call whose arguments validate against the tool's
+parameters; with `auto` the model chooses, and an answer that is such a JSON object for a known
+tool becomes a call; with `none` the tools are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from gateway.errors import invalid
+from gateway.structured import grammar_for
+
+TOOL_PROMPT = ("You can call tools. To call one, answer with only a JSON object "
+               '{"name": <tool name>, "arguments": {<its arguments>}}. The tools:\n')
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Toolbox:
+    """The tools a request offers and how it lets the model use them."""
+
+    functions: dict[str, dict]  # name -> {"name", "description", "parameters"}
+    forced: str | None  # None: the model chooses; "": any tool; a name: that one
+
+    @classmethod
+    def of(cls, tools: list | None, tool_choice: object) -> Toolbox | None:
+        """None when there are no tools to offer (or tool_choice is none)."""
+        if not tools or tool_choice == "none":
+            return None
+        functions = {}
+        for tool in tools:
+            spec = tool.function
+            functions[spec.name] = {"name": spec.name, "description": spec.description or "",
+                                    "parameters": spec.parameters or ANY_OBJECT}
+        if tool_choice in (None, "auto"):
+            forced = None
+        elif tool_choice == "required":
+            forced = ""
+        else:
+            forced = tool_choice.function.name
+            if forced not in functions:
+                raise invalid(f"tool_choice names '{forced}', which is not among the tools",
+                              "tool_choice")
+        return cls(functions, forced)
+
+    def grammar(self) -> str | None:
+        """A grammar over the call's JSON when a call is required."""
+        if self.forced is None:
+            return None
+        names = [self.forced] if self.forced else list(self.functions)
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": name},
+                                 "arguments": self.functions[name]["parameters"]}}
+                 for name in names]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return grammar_for("json_schema", {"schema": schema}, param="tools")
+
+    def system_text(self) -> str:
+        return TOOL_PROMPT + json.dumps(list(self.functions.values()))
+
+    def parse(self, text: str) -> ToolCall | None:
+        """The call an answer makes, if it is one."""
+        try:
+            call = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in self.functions \
+                or not isinstance(call.get("arguments"), dict):
+            return None
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", call["name"],
+                        json.dumps(call["arguments"]))

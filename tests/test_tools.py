@@ -1,0 +1,86 @@
+"""Tool calls with the official SDK on the default model: a required or named call returns
+arguments that validate against the tool's parameters, whole and streamed (assembled by the
+SDK's own accumulator), and a turn with the tool's result is accepted."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Oulu today?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def validate(call, tools) -> None:
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
+def test_a_forced_call_validates_whole(client, model_name, choice):
+    tools = [WEATHER, TIME]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        r = client.chat.completions.create(model=model_name, messages=ASK, tools=tools,
+                                           tool_choice=choice, max_tokens=120, **sampling)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+        (call,) = message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if choice == NAMED:
+            assert call.function.name == "get_weather"
+        validate(call, tools)
+
+
+def test_a_streamed_call_assembles_with_the_sdks_accumulator(client, model_name):
+    state = ChatCompletionStreamState(input_tools=[WEATHER])
+    for chunk in client.chat.completions.create(model=model_name, messages=ASK,
+                                                tools=[WEATHER], tool_choice=NAMED,
+                                                max_tokens=120, temperature=0, stream=True):
+        state.handle_chunk(chunk)
+    final = state.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    validate(call, [WEATHER])
+    whole = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                           tool_choice=NAMED, max_tokens=120, temperature=0)
+    assert json.loads(whole.choices[0].message.tool_calls[0].function.arguments) == \
+        json.loads(call.function.arguments)
+
+
+def test_a_turn_with_the_tools_result_is_accepted(client, model_name):
+    first = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                           tool_choice=NAMED, max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "c": 18}'}]
+    answer = client.chat.completions.create(model=model_name, messages=history,
+                                            tools=[WEATHER], max_tokens=24, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_none_and_unknown_names(client, model_name):
+    plain = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                           tool_choice="none", max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "nope"}},
+                                       max_tokens=8)
+    assert raised.value.body["param"] == "tool_choice"
