@@ -43,6 +43,7 @@ from loadtest.workloads import (
     many_streams,
     multi_turn,
     shared_prefix,
+    structured,
     unique_prompts,
 )
 
@@ -85,6 +86,7 @@ class Settings:
     output_tokens: int
     smoke: bool
     gateway_args: list[str] = field(default_factory=list)
+    workloads: list[str] = field(default_factory=lambda: list(LEVEL_WORKLOADS))
 
 
 @dataclass(frozen=True)
@@ -203,9 +205,12 @@ async def run_workload(server: RunningServer, system: System, conversations: lis
             if conversation.system else []
         for turn, user in enumerate(conversation.turns):
             messages.append({"role": "user", "content": user})
+            structured_output = conversation.response_format is not None
             async with limit:
-                record, answer = await stream_chat(session, server.base_url, server.model_id,
-                                                   messages, max_tokens, system.extra_body)
+                record, answer = await stream_chat(
+                    session, server.base_url, server.model_id, messages,
+                    STRUCTURED_MAX_TOKENS if structured_output else max_tokens,
+                    _extra(system, conversation), exact=not structured_output)
             rows.append({"turn": turn, "group": conversation.group, "record": record})
             messages.append({"role": "assistant", "content": answer})
 
@@ -225,6 +230,16 @@ async def run_workload(server: RunningServer, system: System, conversations: lis
     wall = time.perf_counter() - start
     sampler.cancel()
     return rows, wall
+
+
+def _extra(system: System, conversation: Conversation) -> dict:
+    """The system's own request fields, and the workload's. A structured answer ends where its
+    grammar does: nothing may hold back the end of generation then."""
+    if conversation.response_format is None:
+        return system.extra_body
+    return {**{k: v for k, v in system.extra_body.items()
+               if k not in ("ignore_eos", "logit_bias")},
+            "response_format": conversation.response_format}
 
 
 def measure(server: RunningServer, system: System, workload: str, conversations: list[Conversation],
@@ -256,6 +271,7 @@ class Sizes:
     system_tokens: int
     turn_tokens: int
     unique_prompts: int
+    structured_prompts: int
     unique_tokens: int
     prefill_requests: int
     prefill_tokens: int
@@ -268,7 +284,11 @@ class Sizes:
                 f"question; multi-turn = {self.conversations} conversations x {self.turns} turns "
                 f"({self.system_tokens}-token system prompt, {self.turn_tokens}-token user turns, "
                 f"whole history resent); unique = {self.unique_prompts} prompts of "
-                f"{self.unique_tokens} tokens with their own system message; prefill = "
+                f"{self.unique_tokens} tokens with their own system message; structured = "
+                f"{self.structured_prompts} such prompts asking for a JSON record that follows "
+                f"a schema (response_format json_schema: nested object, array of enums, bounded "
+                f"strings), up to {STRUCTURED_MAX_TOKENS} tokens, ending where the grammar does; "
+                f"prefill = "
                 f"{self.prefill_requests} requests one after another, each a "
                 f"{self.prefill_tokens}-token prompt with its own system message, 1 output token; "
                 f"many streams = N requests at once, one {self.stream_prompt_tokens}-token system "
@@ -277,12 +297,17 @@ class Sizes:
 
 FULL = Sizes(groups=2, prompts_per_group=8, prefix_tokens=1024, question_tokens=64,
              conversations=4, turns=3, system_tokens=256, turn_tokens=64,
-             unique_prompts=16, unique_tokens=256, prefill_requests=3, prefill_tokens=1024,
+             unique_prompts=16, unique_tokens=256, structured_prompts=8, prefill_requests=3,
+             prefill_tokens=1024,
              stream_prompt_tokens=400, stream_question_tokens=16)
 SMOKE = Sizes(groups=1, prompts_per_group=3, prefix_tokens=64, question_tokens=8,
               conversations=2, turns=2, system_tokens=32, turn_tokens=8,
-              unique_prompts=2, unique_tokens=32, prefill_requests=1, prefill_tokens=64,
+              unique_prompts=2, unique_tokens=32, structured_prompts=2, prefill_requests=1,
+              prefill_tokens=64,
               stream_prompt_tokens=32, stream_question_tokens=8)
+LEVEL_WORKLOADS = ("shared_prefix", "multi_turn", "unique", "structured")
+# A JSON record is ~60-100 tokens: room for the grammar to finish it.
+STRUCTURED_MAX_TOKENS = 200
 # Seeds of the workloads measured once (levels use 1000 + level): no prompt repeats another's.
 PREFILL_SEED, STREAMS_SEED = 2000, 3000
 
@@ -294,7 +319,8 @@ def make_workloads(sizes: Sizes, model: Model, level: int) -> dict[str, list[Con
                                            sizes.prefix_tokens, sizes.question_tokens),
             "multi_turn": multi_turn(maker, sizes.conversations, sizes.turns,
                                      sizes.system_tokens, sizes.turn_tokens),
-            "unique": unique_prompts(maker, sizes.unique_prompts, sizes.unique_tokens)}
+            "unique": unique_prompts(maker, sizes.unique_prompts, sizes.unique_tokens),
+            "structured": structured(maker, sizes.structured_prompts, sizes.unique_tokens)}
 
 
 def run_levels(server: RunningServer, system: System, sizes: Sizes, model: Model,
@@ -302,6 +328,8 @@ def run_levels(server: RunningServer, system: System, sizes: Sizes, model: Model
     runs = []
     for level in settings.concurrency:
         for workload, conversations in make_workloads(sizes, model, level).items():
+            if workload not in settings.workloads:
+                continue
             run, rows = measure(server, system, workload, conversations, level,
                                 settings.output_tokens)
             run["per_turn"] = per_turn(rows) if workload == "multi_turn" else None
@@ -412,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--docs", type=Path, default=None, help="also write this markdown page")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny workloads, prefixgate only")
+    p.add_argument("--workloads", nargs="+", choices=LEVEL_WORKLOADS,
+                   default=list(LEVEL_WORKLOADS), help="the per-level workloads to run")
     p.add_argument("--gateway-args", nargs="+", default=[],
                    help="extra flags for prefixgate, e.g. --gateway-args=--batch-tokens=128")
     return p.parse_args(argv)
@@ -423,7 +453,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     parallel=args.parallel, ctx_size=args.ctx_size,
                     concurrency=[2] if args.smoke else args.concurrency, streams=streams,
                     output_tokens=8 if args.smoke else args.output_tokens, smoke=args.smoke,
-                    gateway_args=args.gateway_args)
+                    gateway_args=args.gateway_args, workloads=args.workloads)
 
 
 def main() -> None:

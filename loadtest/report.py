@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS = {"shared_prefix": "shared prefix", "multi_turn": "multi-turn",
-             "unique": "unique prompts", "prefill": "prefill", "many_streams": "many streams"}
+             "unique": "unique prompts", "prefill": "prefill", "many_streams": "many streams",
+             "structured": "structured output"}
 PER_LEVEL = ("shared_prefix", "multi_turn", "unique")  # run at every concurrency level: plotted
 OURS = ("prefixgate", "prefixgate-deterministic")  # the engine modes with targets
 BASELINE = "llama-server"
@@ -86,6 +87,13 @@ def targets(results: dict) -> list[Target]:
     ]
 
 
+def structured_measures(results: dict) -> list[Measure]:
+    levels = sorted({run["concurrency"] for run in results["runs"]
+                     if run["workload"] == "structured"})
+    return [Measure(f"structured output, concurrency {level}, TPOT p50", "structured", level,
+                    ("tpot", "p50"), "s") for level in levels]
+
+
 def comparison(results: dict, ours: str, theirs: str, measure: Measure,
                target: Target | None = None) -> str | None:
     """One line: ours against theirs on `measure`, with the target's verdict if given. Without
@@ -114,6 +122,12 @@ def _ratios(results: dict) -> list[str]:
     for ours in OURS:
         if ours in results["systems"]:
             lines += [comparison(results, ours, BASELINE, t.measure, t) for t in targets(results)]
+    grammar = [line for ours in OURS if ours in results["systems"]
+               for m in structured_measures(results)
+               if (line := comparison(results, ours, BASELINE, m))]
+    if grammar:
+        lines += ["", "The grammar's cost per token (structured output, the same schema for "
+                  "both; no target):", "", *grammar]
     others = [s for s in results["systems"] if s not in ("prefixgate", BASELINE)]
     others_lines = [line for theirs in others for t in targets(results)
                     if (line := comparison(results, "prefixgate", theirs, t.measure))]

@@ -34,6 +34,22 @@ class Conversation:
     system: str | None
     turns: list[str]
     group: int = 0
+    response_format: dict | None = None  # structured output: the answer follows a schema
+
+
+# What the structured-output workload asks for: nested objects, an array, enums, bounds.
+RECORD_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["title", "author", "year", "tags", "publisher"],
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "author": {"type": "object", "additionalProperties": False, "required": ["name"],
+                   "properties": {"name": {"type": "string", "maxLength": 30},
+                                  "country": {"type": "string", "maxLength": 20}}},
+        "year": {"type": "integer"},
+        "tags": {"type": "array", "maxItems": 4,
+                 "items": {"enum": ["fiction", "history", "science", "poetry", "travel"]}},
+        "publisher": {"type": "string", "maxLength": 30}}}
 
 
 class TextMaker:
@@ -80,3 +96,11 @@ def many_streams(maker: TextMaker, n: int, prompt_tokens: int,
                  question_tokens: int) -> list[Conversation]:
     """n users of one app at once: the app's system prompt, a question of their own each."""
     return shared_prefix(maker, 1, n, prompt_tokens, question_tokens)
+
+
+def structured(maker: TextMaker, n: int, prompt_tokens: int) -> list[Conversation]:
+    """n requests for a JSON record that follows RECORD_SCHEMA, each with its own text."""
+    schema = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA}}
+    return [Conversation(maker.text(16), [maker.text(prompt_tokens)
+                                          + " Describe a book as a JSON record."], group=i,
+                         response_format=schema) for i in range(n)]

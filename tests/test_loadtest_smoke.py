@@ -15,7 +15,7 @@ def test_benchmark_runner_smoke(tmp_path):
                    cwd=ROOT, check=True, timeout=600, capture_output=True)
     results = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
     runs = results["runs"]
-    assert {r["workload"] for r in runs} == {"shared_prefix", "multi_turn", "unique"}
+    assert {r["workload"] for r in runs} == {"shared_prefix", "multi_turn", "unique", "structured"}
     for run in runs:
         assert run["failed"] == 0 and run["output_throughput"] > 0
         assert run["ttft"]["p50"] > 0 and run["e2e"]["p99"] >= run["e2e"]["p50"]
