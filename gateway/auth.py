@@ -58,12 +58,15 @@ class KeyRing:
                     else digest(key)] = tenant
         return cls(tenants, shared) if tenants else None
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The tenant of a request's Authorization header, or None for a missing or wrong key."""
+    def identify(self, authorization: str | None) -> tuple[str, str] | None:
+        """(the key's digest, its tenant) for a request's Authorization header, or None for a
+        missing or wrong key."""
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return None
-        return self.tenants.get(digest(key.strip()))
+        key_digest = digest(key.strip())
+        tenant = self.tenants.get(key_digest)
+        return None if tenant is None else (key_digest, tenant)
 
     def namespace(self, tenant: str) -> str:
         return SHARED_GROUP if tenant in self.shared else f"tenant:{tenant}"

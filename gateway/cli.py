@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gateway.auth import KeyFileError, KeyRing
 from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig, Limits, WorkersConfig
+from gateway.ratelimit import RateLimits
 from gateway.redis_tier import TierConfig
 from gateway.router import POLICIES, RoutingConfig
 
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated tenants whose prefixes share one cache namespace")
     p.add_argument("--metrics-key", default=None,
                    help="a bearer key /metrics and /debug/* then require")
+    p.add_argument("--rate-limit-rpm", type=int, default=0,
+                   help="requests per minute each API key may make (0: no limit)")
+    p.add_argument("--rate-limit-tpm", type=int, default=0,
+                   help="prompt and completion tokens per minute each API key may use "
+                        "(0: no limit)")
     p.add_argument("--max-queue", type=int, default=WorkersConfig.max_queue,
                    help="requests that may wait for a sequence; beyond, 429 with Retry-After")
     p.add_argument("--max-body-mb", type=float, default=Limits.max_body_bytes / 2**20,
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                       request_timeout=args.request_timeout or None, max_n=args.max_n),
         chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
         log_prompts=args.log_prompts,
+        rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))

@@ -33,6 +33,7 @@ from gateway.protocol import (
     TokenizeRequest,
     parse_request,
 )
+from gateway.ratelimit import RateLimiter, RateLimits
 from gateway.responses import ChatWriter, Choice, CompletionWriter, ResponseWriter
 from gateway.tools import Toolbox
 from gateway.workers import GenerationHandle, Overloaded, Workers
@@ -54,6 +55,7 @@ class ServerConfig:
     limits: Limits = Limits()
     chat_template: str | None = None  # instead of the GGUF's own
     log_prompts: bool = False
+    rate_limits: RateLimits = RateLimits()  # per API key
 
 
 class Gateway:
@@ -67,6 +69,8 @@ class Gateway:
         self.workers = Workers(config.workers)
         self.load_error: str | None = None
         self.metrics = Metrics(self)
+        self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
+            else None
         self._loaded = threading.Event()
 
     @property
@@ -212,6 +216,13 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     if n > limits.max_n:
         raise invalid(f"n is {n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
+    limiter, key = gateway.rate_limiter, request["key"]
+    if limiter is not None and key is not None:
+        wait = limiter.admit(key, len(prompt_tokens))
+        if wait is not None:
+            raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
+                                f"reached; retry in {wait} s", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(wait)})
     if gateway.workers.tier is not None:  # a local miss may be another replica's hit
         await asyncio.to_thread(gateway.workers.fetch_from_tier, generation)
     # Every choice samples with its own seed (seed + i when one is given, so results repeat);
@@ -239,6 +250,8 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
+        if limiter is not None and key is not None:
+            limiter.charge(key, sum(c.completion_tokens for c in choices))
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
@@ -289,6 +302,7 @@ async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, time
                 choices[i].logprobs += output.logprobs
                 if output.last:
                     choices[i].finish_reason = output.finish_reason
+                    choices[i].completion_tokens = output.usage.completion_tokens
                     usages.append(output.usage)
     except TimeoutError:
         raise _timed_out(timeout) from None
@@ -329,6 +343,7 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
                                                         with_usage_field=include_usage,
                                                         logprobs=output.logprobs, index=i))
                 if output.usage:
+                    choices[i].completion_tokens = output.usage.completion_tokens
                     usages.append(output.usage)
             else:
                 if include_usage:
@@ -391,13 +406,14 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
 async def api_keys(request: web.Request, handler) -> web.StreamResponse:
     """/v1/* needs a key when keys are configured; the key's tenant is the cache namespace."""
     keys: KeyRing | None = request.app["gateway"].config.keys
-    request["tenant"], request["namespace"] = None, ""
+    request["key"], request["tenant"], request["namespace"] = None, None, ""
     if keys is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
-        tenant = keys.tenant(request.headers.get("Authorization"))
-        if tenant is None:
+        identity = keys.identify(request.headers.get("Authorization"))
+        if identity is None:
             raise APIError(401, "Incorrect API key provided. Pass one as `Authorization: "
                                 "Bearer <key>`.", code="invalid_api_key")
-        request["tenant"], request["namespace"] = tenant, keys.namespace(tenant)
+        request["key"], request["tenant"] = identity
+        request["namespace"] = keys.namespace(request["tenant"])
     return await handler(request)
 
 

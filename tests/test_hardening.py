@@ -223,3 +223,26 @@ def test_help_does_not_load_llama_cpp():
     probe = ("import sys\nfrom gateway.cli import build_parser\nbuild_parser().format_help()\n"
              "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'")
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
+
+
+def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-r tenant-r\nkey-t tenant-t\n")
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--api-keys-file", str(keys), "--rate-limit-rpm", "3",
+                            "--rate-limit-tpm", "400")
+    try:
+        by_requests = client_for(server, "key-r")
+        for _ in range(3):
+            by_requests.completions.create(model=model_name, prompt="Hi", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as raised:
+            by_requests.completions.create(model=model_name, prompt="Hi", max_tokens=1)
+        assert 1 <= int(raised.value.response.headers["Retry-After"]) <= 60
+        # Limits are per key: another key's first request is admitted, until its tokens run out.
+        by_tokens = client_for(server, "key-t")
+        long_prompt = "tokens and more tokens " * 40  # ~200 tokens
+        by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
+        with pytest.raises(openai.RateLimitError):
+            by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
+    finally:
+        server.stop()
