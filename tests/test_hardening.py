@@ -240,7 +240,7 @@ def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name,
         assert 1 <= int(raised.value.response.headers["Retry-After"]) <= 60
         # Limits are per key: another key's first request is admitted, until its tokens run out.
         by_tokens = client_for(server, "key-t")
-        long_prompt = "tokens and more tokens " * 40  # ~200 tokens
+        long_prompt = "tokens and more tokens " * 80  # ~320 tokens: one fits in 400, not two
         by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
         with pytest.raises(openai.RateLimitError):
             by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
