@@ -67,6 +67,7 @@ def test_a_prefix_one_worker_computed_is_loaded_by_the_other(
         model_path, model_name, deterministic_uncached_gateway):
     server = GatewayProcess(model_path, *TWO_WORKERS, "--ctx-size", "8192", "--deterministic")
     try:
+        wait_for_health(server, "ok")  # both workers: /health is 200 once the first serves
         client = openai_client(server)
         ask(client, model_name, system_chat("When does the ferry leave?", SYSTEM))
         text, usage = ask(client, model_name, system_chat("Where is the pilot boat?", SYSTEM))
@@ -86,6 +87,7 @@ def test_a_prefix_one_worker_computed_is_loaded_by_the_other(
 @pytest.fixture
 def two_workers(model_path):
     server = GatewayProcess(model_path, *TWO_WORKERS)
+    wait_for_health(server, "ok")  # both workers: round-robin's order is then known
     yield server
     server.stop()
 
@@ -126,6 +128,7 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
     # without it, leave exactly as many blocks.
     fresh = GatewayProcess(model_path, *TWO_WORKERS)
     try:
+        wait_for_health(fresh, "ok")
         fresh_client = openai_client(fresh)
         expected = [complete(fresh_client, model_name, p)
                     for p in (prompts[0], prompts[0], prompts[2], prompts[0])]
