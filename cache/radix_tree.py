@@ -18,10 +18,14 @@ Invariants (checked by the property tests):
   such a leaf in turn. Touching a path moves the leaf first, so ancestors stay more recent than
   their descendants and the LRU order meets leaves first.
 - No block only the tree references is a strict prefix of a sibling: its longer copy serves it.
+- A pinned block (`prompt_cache_retention`) is never evicted before its pin expires; pins cover
+  whole paths, so a pinned leaf's ancestors are pinned too, and at most `pin_budget` blocks are
+  pinned at once (past it, the pins that expire first fall back to plain LRU).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +48,9 @@ class Node:
     parent: Node | None
     namespace: bytes = b""
     children: dict[int, list[Node]] = field(default_factory=dict)  # by first token
+    hits: int = 0  # matches that used this block
+    last_used: float = 0.0  # wall-clock time of the last match or store
+    pinned_until: float = 0.0  # wall-clock time until which eviction passes it by
 
     def path_tokens(self) -> np.ndarray:
         """Every token from the root to the end of this block."""
@@ -70,9 +77,14 @@ class Match:
 
 
 class RadixTree:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, pin_budget: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self.pin_budget = pool.n_slots // 4 if pin_budget is None else pin_budget
+        self.clock = clock
+        self.pin_fallbacks = 0  # pins dropped to stay within the budget
+        self._pins: dict[Node, None] = {}
         self._roots: dict[bytes, Node] = {}
         self._index: dict[bytes, Node] = {}
         self._lru: OrderedDict[Node, None] = OrderedDict()
@@ -83,6 +95,23 @@ class RadixTree:
 
     def nodes(self) -> list[Node]:
         return list(self._index.values())
+
+    def leaves(self) -> list[Node]:
+        """Blocks that end a cached path, most recently used first."""
+        return [node for node in reversed(self._lru) if not node.children]
+
+    def drop_unheld(self, namespace: bytes | None = None) -> int:
+        """Removes every block nobody but the tree holds (pinned or not), leaves first, in one
+        namespace or all; returns how many."""
+        dropped = 0
+        while True:
+            doomed = [n for n in self._lru if self._evictable(n)
+                      and (namespace is None or n.namespace == namespace)]
+            if not doomed:
+                return dropped
+            for node in doomed:
+                self._remove(node)
+            dropped += len(doomed)
 
     def by_recency(self) -> list[Node]:
         """Every block, least recently used first: each after its descendants."""
@@ -109,6 +138,7 @@ class RadixTree:
         path, n = self._walk(tokens, namespace)
         for node in path:
             self.pool.retain(node.slot)
+            node.hits += 1
         self._touch(path)
         return Match(path, n)
 
@@ -162,8 +192,10 @@ class RadixTree:
         for node in match.nodes:
             self.pool.release(node.slot)
             # A block held when its longer copy was stored has outlived its use.
-            if self._evictable(node) and self._longer_copy(node.parent, node.tokens):
-                self._remove(node)
+            longer = self._longer_copy(node.parent, node.tokens) if self._evictable(node) \
+                else None
+            if longer is not None:
+                self._supersede(node, longer)
         match.nodes = []
 
     def _new_node(self, parent: Node, chunk: np.ndarray, start: int,
@@ -188,7 +220,14 @@ class RadixTree:
             n = len(sibling.tokens)
             if (n < len(node.tokens) and self._evictable(sibling)
                     and np.array_equal(sibling.tokens, node.tokens[:n])):
-                self._remove(sibling)
+                self._supersede(sibling, node)
+
+    def _supersede(self, shorter: Node, longer: Node) -> None:
+        """Drops `shorter` for the copy that holds all of it; its pin moves along."""
+        if shorter.pinned_until > longer.pinned_until:
+            longer.pinned_until = shorter.pinned_until
+            self._pins[longer] = None
+        self._remove(shorter)
 
     def allocate(self) -> int | None:
         """A free slot with one reference, evicting least recently used blocks to make room."""
@@ -197,9 +236,37 @@ class RadixTree:
             slot = self.pool.allocate()
         return slot
 
+    def pin(self, tokens: np.ndarray, namespace: bytes, until: float) -> int:
+        """Pins the cached blocks of `tokens` until `until` (a later pin of a block extends it).
+        Returns how many pins fell back to LRU to stay within the budget."""
+        path, _ = self._walk(tokens, namespace)
+        for node in path:
+            node.pinned_until = max(node.pinned_until, until)
+            self._pins[node] = None
+        now, dropped = self.clock(), 0
+        for node in [n for n in self._pins if n.pinned_until <= now]:
+            self._unpin(node)
+        while len(self._pins) > self.pin_budget:
+            self._unpin(min(self._pins, key=lambda n: n.pinned_until))
+            dropped += 1
+        self.pin_fallbacks += dropped
+        return dropped
+
+    @property
+    def n_pinned(self) -> int:
+        now = self.clock()
+        return sum(1 for node in self._pins if node.pinned_until > now)
+
+    def _unpin(self, node: Node) -> None:
+        node.pinned_until = 0.0
+        self._pins.pop(node, None)
+
+    def _pinned(self, node: Node) -> bool:
+        return node.pinned_until > self.clock()
+
     def _evict_one(self) -> bool:
         for node in self._lru:
-            if self._evictable(node):
+            if self._evictable(node) and not self._pinned(node):
                 self._remove(node)
                 self.evictions += 1
                 return True
@@ -215,6 +282,7 @@ class RadixTree:
             del node.parent.children[int(node.tokens[0])]
         del self._index[node.key]
         del self._lru[node]
+        self._pins.pop(node, None)
         self.pool.release(node.slot)
 
     def _child(self, parent: Node, chunk: np.ndarray) -> Node | None:
@@ -269,8 +337,10 @@ class RadixTree:
         return found
 
     def _touch(self, path: list[Node]) -> None:
+        now = self.clock()
         for node in reversed(path):
             self._lru.move_to_end(node)
+            node.last_used = now
 
 
 def _block_key(parent_key: bytes, chunk: np.ndarray) -> bytes:

@@ -14,17 +14,21 @@ once both write them; the second commit finds them in the tree and frees its cop
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from cache.arena import BlockArena
 from cache.block_pool import BlockPool
 from cache.radix_tree import Match, RadixTree
 from gateway.messages import Lease, StorePlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ class IndexSnapshot:
     blocks_held: int  # referenced by a lease or plan, not only the tree
     evictions: int
     uncached_requests: int  # requests whose blocks did not fit: everything was in use
+    blocks_pinned: int = 0
+    pin_budget: int = 0  # blocks
+    pin_fallbacks: int = 0  # pinned blocks that fell back to LRU to keep within the budget
+    pinned_hit_tokens: int = 0  # prompt tokens matched in pinned blocks
 
 
 @dataclass
@@ -55,15 +63,16 @@ StoredHook = Callable[[bytes, np.ndarray, int], None]
 
 class CacheIndex:
     def __init__(self, n_slots: int, block_size: int,
-                 on_stored: StoredHook | None = None) -> None:
+                 on_stored: StoredHook | None = None, pin_budget: int | None = None) -> None:
         self.pool = BlockPool(n_slots, block_size)
-        self.tree = RadixTree(self.pool)
+        self.tree = RadixTree(self.pool, pin_budget)
         self.block_size = block_size
         self._lock = threading.Lock()  # calls come from every worker's reader thread
         self._ids = itertools.count(1)
         self._leases: dict[int, tuple[int, Match]] = {}
         self._plans: dict[int, _Plan] = {}
         self._uncached_requests = 0
+        self._pinned_hit_tokens = 0
         self._on_stored = on_stored
 
     def client(self, owner: int) -> IndexClient:
@@ -76,6 +85,10 @@ class CacheIndex:
     def match(self, owner: int, tokens: np.ndarray, namespace: str) -> Lease:
         with self._lock:
             match = self.tree.match(tokens, namespace.encode())
+            now = self.tree.clock()
+            self._pinned_hit_tokens += sum(
+                n for node, (_, n) in zip(match.nodes, match.blocks(), strict=True)
+                if node.pinned_until > now)
             lease_id = next(self._ids)
             self._leases[lease_id] = (owner, match)
             return Lease(lease_id, match.n_tokens, tuple(match.blocks()))
@@ -163,6 +176,36 @@ class CacheIndex:
             self.tree.release(path)
             return n
 
+    def pin(self, tokens: np.ndarray, namespace: str, until: float) -> None:
+        with self._lock:
+            dropped = self.tree.pin(tokens, namespace.encode(), until)
+        if dropped:
+            log.warning("pin budget (%d blocks) full: %d pinned blocks fall back to LRU",
+                        self.tree.pin_budget, dropped)
+
+    def prefixes(self, limit: int) -> list[dict]:
+        """The hottest cached paths, most recently used first (for the admin API)."""
+        with self._lock:
+            rows = []
+            for leaf in self.tree.leaves()[:limit]:
+                path, node = [], leaf
+                while node.parent is not None:
+                    path.append(node)
+                    node = node.parent
+                rows.append({"namespace": namespace_hash(leaf.namespace),
+                             "tokens": leaf.path_tokens(), "blocks": len(path),
+                             "hits": leaf.hits, "last_used": leaf.last_used,
+                             "pinned_until": min(n.pinned_until for n in path) or None})
+            return rows
+
+    def drop(self, namespace_hashed: str | None) -> int:
+        with self._lock:
+            if namespace_hashed is None:
+                return self.tree.drop_unheld()
+            spaces = {n.namespace for n in self.tree.nodes()
+                      if namespace_hash(n.namespace) == namespace_hashed}
+            return sum(self.tree.drop_unheld(space) for space in spaces)
+
     def chain_keys(self, tokens: np.ndarray, namespace: str) -> list[bytes]:
         with self._lock:
             return self.tree.chain_keys(tokens, namespace.encode())
@@ -215,7 +258,9 @@ class CacheIndex:
     def snapshot(self) -> IndexSnapshot:
         with self._lock:
             return IndexSnapshot(self.pool.n_used, self.pool.n_free, self.pool.n_held,
-                                 self.tree.evictions, self._uncached_requests)
+                                 self.tree.evictions, self._uncached_requests,
+                                 self.tree.n_pinned, self.tree.pin_budget,
+                                 self.tree.pin_fallbacks, self._pinned_hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -238,3 +283,8 @@ class IndexClient:
 
     def commit_store(self, plan_id: int, written: bool) -> None:
         self.index.commit_store(plan_id, written)
+
+
+def namespace_hash(namespace: bytes) -> str:
+    """How the admin API names a namespace: tenants' names are not for its readers."""
+    return xxhash.xxh3_64(namespace).hexdigest()

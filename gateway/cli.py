@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a Redis lookup may add to a request")
     p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,
                    help="seconds a block lives in Redis after its last write")
+    p.add_argument("--pin-budget-mb", type=int, default=None,
+                   help="most pool memory prompt_cache_retention 24h may pin (default: a "
+                        "quarter of --cache-mb); past it the oldest pins fall back to LRU")
+    p.add_argument("--pin-hours", type=float, default=24.0,
+                   help='how long prompt_cache_retention "24h" pins a prompt (tests shorten it)')
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="keep the cached blocks here across restarts (written at shutdown, "
                         "loaded at start)")
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "PREFIXGATE_API_KEYS. Without keys the gateway is open")
     p.add_argument("--shared-prefix-tenants", default="",
                    help="comma-separated tenants whose prefixes share one cache namespace")
+    p.add_argument("--admin-key", default=None,
+                   help="a bearer key for the cache admin API (/v1/cache/*); without it there "
+                        "is none")
     p.add_argument("--metrics-key", default=None,
                    help="a bearer key /metrics and /debug/* then require")
     p.add_argument("--rate-limit-rpm", type=int, default=0,
@@ -145,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                                   args.balance_rel_threshold),
             max_queue=args.max_queue, cache_dir=args.cache_dir,
+            pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
             redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl)
             if args.redis_url else None,
             log_level=args.log_level),
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         drain_seconds=args.drain_seconds,
         keys=keys,
         metrics_key=args.metrics_key,
+        admin_key=args.admin_key,
         limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                       request_timeout=args.request_timeout or None, max_n=args.max_n),
         chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,

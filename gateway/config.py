@@ -72,6 +72,8 @@ class WorkersConfig:
     max_queue: int = 128  # requests waiting for a sequence, beyond those running
     cache_dir: Path | None = None  # where the pool's blocks survive a restart
     redis: TierConfig | None = None  # the Redis tier shared with other gateways
+    pin_budget_mb: int | None = None  # pinned blocks at most; None: a quarter of the pool
+    pin_hours: float = 24.0  # how long prompt_cache_retention "24h" pins (shorter in tests)
     log_level: str = "info"
 
 

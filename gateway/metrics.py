@@ -114,6 +114,9 @@ class _EngineCollector(Collector):
                                   "Prompt tokens taken from live sequences' cells (seq_cp)",
                                   value=total("shared_tokens"))
         yield from _per_worker(views)
+        yield CounterMetricFamily("prefixgate_prompt_cache_key_requests",
+                                  "Requests that carried a prompt_cache_key",
+                                  value=workers.cache_key_requests)
         stats = [s.cache for s in snaps if s.cache is not None]
         index = workers.index
         if index is None:
@@ -142,6 +145,18 @@ class _EngineCollector(Collector):
         errors.add_metric(["redis"], tier.errors)
         yield errors
         snap = index.snapshot()
+        yield GaugeMetricFamily("prefixgate_prefix_cache_pinned_blocks",
+                                "Pool blocks pinned by prompt_cache_retention 24h",
+                                value=snap.blocks_pinned)
+        yield GaugeMetricFamily("prefixgate_prefix_cache_pin_budget_blocks",
+                                "Most pool blocks that may be pinned (--pin-budget-mb)",
+                                value=snap.pin_budget)
+        yield CounterMetricFamily("prefixgate_prefix_cache_pinned_fallbacks",
+                                  "Pinned blocks that fell back to LRU: the pin budget was full",
+                                  value=snap.pin_fallbacks)
+        yield CounterMetricFamily("prefixgate_prefix_cache_pinned_hits",
+                                  "Prompt tokens matched in pinned blocks",
+                                  value=snap.pinned_hit_tokens)
         yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
                                   "KV blocks evicted to make room", value=snap.evictions)
         yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",

@@ -105,6 +105,11 @@ class _Sampling(_Strict):
     n: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
+    # OpenAI's prompt-cache words: a routing hint, and "24h" pins the prompt's blocks. Neither
+    # they nor safety_identifier/user ever choose a cache namespace: API keys do.
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
 

@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,7 +41,11 @@ from gateway.workers import GenerationHandle, Overloaded, Workers
 
 log = logging.getLogger(__name__)
 
+ADMIN_PREFIX = "/v1/cache/"
+HOTTEST_PREFIXES = 50  # rows of GET /v1/cache/prefixes
+PREVIEW_CHARS = 80
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
+HISTORY_STEP, HISTORY_SECONDS = 10.0, 900.0  # the hit-rate history: a sample each, kept
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
 
 @dataclass
@@ -51,6 +56,7 @@ class ServerConfig:
     port: int = 8000
     drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
     keys: KeyRing | None = None  # None: open to anyone who can reach it
+    admin_key: str | None = None  # the cache admin API (/v1/cache/*); None: no admin API
     metrics_key: str | None = None  # guards /metrics and /debug/*
     limits: Limits = Limits()
     chat_template: str | None = None  # instead of the GGUF's own
@@ -71,6 +77,7 @@ class Gateway:
         self.metrics = Metrics(self)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
+        self.history: deque[tuple[float, int, int]] = deque()  # (time, queried, hit tokens)
         self._loaded = threading.Event()
 
     @property
@@ -94,6 +101,44 @@ class Gateway:
             self.load_error = str(exc)
         finally:
             self._loaded.set()
+
+    def cache_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, prompt tokens served by the cache) so far."""
+        stats = [v.snapshot.cache for v in self.workers.views() if v.snapshot.cache]
+        return (sum(s.queried_tokens for s in stats),
+                sum(s.hit_tokens for s in stats) + self.workers.tier_stats().hit_tokens)
+
+    def sample_history(self) -> None:
+        """Called every HISTORY_STEP seconds: what the hit rates over the last minutes read."""
+        now = time.monotonic()
+        self.history.append((now, *self.cache_totals()))
+        while self.history and self.history[0][0] < now - HISTORY_SECONDS:
+            self.history.popleft()
+
+    def cache_stats(self) -> dict:
+        index = self.workers.index.snapshot()
+        slot_bytes = self.workers.arena.header.slot_bytes
+        snaps = [v.snapshot for v in self.workers.views()]
+        now, (queried, hit) = time.monotonic(), self.cache_totals()
+
+        def hit_rate(seconds: float) -> float | None:
+            past = next((h for h in self.history if h[0] >= now - seconds), None)
+            if past is None or queried == past[1]:
+                return None
+            return (hit - past[2]) / (queried - past[1])
+
+        return {
+            "pool": {"blocks_used": index.blocks_used, "blocks_free": index.blocks_free,
+                     "blocks_held": index.blocks_held, "bytes_used": index.blocks_used * slot_bytes,
+                     "bytes_capacity": (index.blocks_used + index.blocks_free) * slot_bytes},
+            "cells": {"used": sum(s.cells_used for s in snaps),
+                      "total": sum(s.cells_total for s in snaps)},
+            "hit_rate": {"1m": hit_rate(60), "5m": hit_rate(300),
+                         "all": hit / queried if queried else None},
+            "evictions": index.evictions,
+            "pins": {"blocks": index.blocks_pinned, "budget_blocks": index.pin_budget,
+                     "fallbacks": index.pin_fallbacks, "hit_tokens": index.pinned_hit_tokens},
+        }
 
     def close(self) -> None:
         self.workers.stop()
@@ -163,6 +208,47 @@ async def detokenize(request: web.Request) -> web.Response:
     return _json({"content": gateway.model.detokenize(body.tokens)})
 
 
+def _require_admin(request: web.Request) -> Gateway:
+    gateway: Gateway = request.app["gateway"]
+    key = gateway.config.admin_key
+    if key is None:  # no admin API at all without a key
+        raise web.HTTPNotFound()
+    if not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                               f"Bearer {key}".encode()):
+        raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
+                       code="invalid_api_key")
+    if gateway.workers.index is None:
+        raise APIError(404, "The prefix cache is off", code="cache_disabled")
+    return gateway
+
+
+@routes.get("/v1/cache/prefixes")
+async def cached_prefixes(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    index, slot_bytes = gateway.workers.index, gateway.workers.arena.header.slot_bytes
+    rows = await asyncio.to_thread(index.prefixes, HOTTEST_PREFIXES)
+    for row in rows:
+        tokens = row.pop("tokens")
+        row.update(tokens=len(tokens), bytes=row["blocks"] * slot_bytes)
+        if gateway.config.log_prompts:  # text only where prompts may be shown at all
+            row["preview"] = gateway.model.detokenize(list(tokens))[:PREVIEW_CHARS]
+    return _json({"object": "list", "data": rows})
+
+
+@routes.delete("/v1/cache/prefixes")
+async def drop_prefixes(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    dropped = await asyncio.to_thread(gateway.workers.index.drop,
+                                      request.query.get("namespace"))
+    return _json({"dropped_blocks": dropped})
+
+
+@routes.get("/v1/cache/stats")
+async def cache_stats(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    return _json(gateway.cache_stats())
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
@@ -230,8 +316,11 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     seed = generation.sampler.seed
     generations = [dataclasses.replace(generation, sampler=dataclasses.replace(
         generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
+    pinning = body.prompt_cache_retention == "24h"
+    if pinning:  # what is cached already, now; the rest once it is stored
+        gateway.workers.pin(generation)
     try:
-        handles = gateway.workers.submit_group(generations)
+        handles = gateway.workers.submit_group(generations, body.prompt_cache_key)
     except Overloaded as exc:
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
                        code="rate_limit_exceeded",
@@ -252,6 +341,8 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
         if limiter is not None and key is not None:
             limiter.charge(key, sum(c.completion_tokens for c in choices))
+        if pinning:
+            gateway.workers.pin(generation)
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
@@ -407,7 +498,9 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
     """/v1/* needs a key when keys are configured; the key's tenant is the cache namespace."""
     keys: KeyRing | None = request.app["gateway"].config.keys
     request["key"], request["tenant"], request["namespace"] = None, None, ""
-    if keys is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
+    admin = request.path.startswith(ADMIN_PREFIX)  # the admin key guards it instead
+    if keys is not None and not admin and (request.path.startswith("/v1/")
+                                           or request.path in KEYED_PATHS):
         identity = keys.identify(request.headers.get("Authorization"))
         if identity is None:
             raise APIError(401, "Incorrect API key provided. Pass one as `Authorization: "
@@ -446,6 +539,14 @@ async def serve(config: ServerConfig) -> None:
     log.info("listening on http://%s:%d", config.host, config.port)
     loop = asyncio.get_running_loop()
     loading = loop.run_in_executor(None, gateway.load, loop)
+
+    async def keep_history() -> None:
+        while True:
+            await asyncio.sleep(HISTORY_STEP)
+            if gateway.ready:
+                gateway.sample_history()
+
+    history = asyncio.create_task(keep_history())
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV arena is unlinked
         loop.add_signal_handler(sig, stopping.set)
@@ -460,6 +561,7 @@ async def serve(config: ServerConfig) -> None:
         await gateway.workers.drain(config.drain_seconds)
     finally:
         await loading
+        history.cancel()
         await loop.run_in_executor(None, gateway.close)  # streams still open hear the 503
         await runner.cleanup()
         log.info("stopped after %.0f s", time.monotonic() - gateway.metrics.started)

@@ -20,7 +20,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -62,6 +62,7 @@ from gateway.router import Router, WorkerLoad
 log = logging.getLogger(__name__)
 
 RESTART_DELAY = 1.0  # seconds before a dead worker's replacement starts
+KEY_OWNERS = 10_000  # prompt_cache_keys remembered, least recently used forgotten first
 
 
 class Overloaded(RuntimeError):
@@ -140,6 +141,8 @@ class Workers:
         self.config = config
         self.index: CacheIndex | None = None
         self.tier: RedisTier | None = None
+        self.cache_key_requests = 0  # a count only: keys are unbounded, never a label
+        self._key_owners: OrderedDict[str, int] = OrderedDict()  # prompt_cache_key -> worker
         self.arena: BlockArena | None = None
         self.router: Router | None = None
         self.seq_len = 0
@@ -229,9 +232,17 @@ class Workers:
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         return self.submit_group([request])[0]
 
-    def submit_group(self, requests: list[GenerationRequest]) -> list[GenerationHandle]:
+    def pin(self, request: GenerationRequest) -> None:
+        """prompt_cache_retention "24h": the prompt's cached blocks outlive LRU for a while."""
+        if self.index is not None:
+            self.index.pin(np.asarray(request.prompt_tokens, dtype=np.int32), request.namespace,
+                           time.time() + self.config.pin_hours * 3600)
+
+    def submit_group(self, requests: list[GenerationRequest],
+                     cache_key: str | None = None) -> list[GenerationHandle]:
         """Requests on one prompt (a request's n choices), routed together to one worker, so
-        that the prompt is computed once and its cells shared."""
+        that the prompt is computed once and its cells shared. Requests with the same
+        `cache_key` go to the same worker while the imbalance guard allows."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         request = requests[0]
@@ -249,6 +260,16 @@ class Workers:
             loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()
                                               if r.namespace == namespace]) for w in ready]
             chosen, reason = self.router.choose(prompt, loads, pool_cached)
+            if cache_key is not None:
+                self.cache_key_requests += 1
+                owner = next((w for w in loads if w.worker_id == self._key_owners.get(cache_key)),
+                             None)
+                if owner is not None and reason != "balance" and len(loads) > 1:
+                    chosen, reason = owner, "cache_key"
+                self._key_owners[cache_key] = chosen.worker_id
+                self._key_owners.move_to_end(cache_key)
+                if len(self._key_owners) > KEY_OWNERS:
+                    self._key_owners.popitem(last=False)
             worker = next(w for w in ready if w.worker_id == chosen.worker_id)
             ids, handles = [next(self._ids) for _ in requests], []
             for request_id in ids:
@@ -360,8 +381,12 @@ class Workers:
                 if self.config.redis is not None:
                     self.tier = RedisTier(self.config.redis, ready.fingerprint,
                                           self.arena.header.slot_bytes)
-                self.index = CacheIndex(self.arena.header.n_slots, self.arena.header.block_size,
-                                        on_stored=self._to_tier if self.tier else None)
+                header = self.arena.header
+                budget = self.config.pin_budget_mb
+                self.index = CacheIndex(
+                    header.n_slots, header.block_size,
+                    on_stored=self._to_tier if self.tier else None,
+                    pin_budget=None if budget is None else (budget << 20) // header.slot_bytes)
                 if self.config.cache_dir is not None:  # before any request can use the pool
                     persistence.load(self.config.cache_dir, self.index, self.arena)
             if self.router is None:

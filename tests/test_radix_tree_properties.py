@@ -49,6 +49,7 @@ class TreeAndPool(RuleBasedStateMachine):
         self.pool, self.tree = self.blocks.pool, self.blocks.tree
         self.held: list[tuple[Match, list[bytes]]] = []
         self.inserted: dict[bytes, list[np.ndarray]] = {}  # what each namespace ever stored
+        self.pinned: list = []  # blocks pinned at some point
 
     def _hold(self, match: Match) -> None:
         self.held.append((match, [bytes(self.blocks.block(n.slot)) for n in match.nodes]))
@@ -65,6 +66,23 @@ class TreeAndPool(RuleBasedStateMachine):
         else:  # only when everything left was in use
             assert self.pool.n_free == 0 or used_before == self.pool.n_slots
         self._hold(match)
+
+    @rule(tokens=token_lists, namespace=namespaces)
+    def pin(self, tokens, namespace):
+        arr = np.array(tokens, np.int32)
+        self.tree.pin(arr, namespace, until=self.tree.clock() + 3600)
+        self.pinned += self.tree._walk(arr, namespace)[0]  # what it pinned, to watch
+
+    @invariant()
+    def pinned_blocks_stay_within_the_budget_and_in_the_tree(self):
+        in_tree = set(map(id, self.tree.nodes()))
+        still_pinned = [n for n in self.pinned if n.pinned_until > self.tree.clock()]
+        assert self.tree.n_pinned <= self.tree.pin_budget
+        # Never evicted while pinned; only a longer copy may replace a block, taking its pin.
+        for node in still_pinned:
+            assert id(node) in in_tree or any(
+                id(n) in in_tree and n.pinned_until >= node.pinned_until
+                for n in node.parent.children.get(int(node.tokens[0]), []))
 
     @rule(tokens=token_lists, namespace=namespaces)
     def match(self, tokens, namespace):

@@ -1,0 +1,105 @@
+"""OpenAI's prompt-cache parameters and the cache admin API, against the real server:
+prompt_cache_retention "24h" pins a prompt against eviction until the pin expires, within the pin
+budget; the admin API lists, drops and counts, and only with its key."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+
+ADMIN = "admin-secret"
+
+
+def admin(server: GatewayProcess, method: str, path: str, key: str | None = ADMIN):
+    request = urllib.request.Request(server.base_url + path, method=method, headers={
+        "Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_the_three_parameters_are_accepted_by_both_endpoints(gateway, client, model_name):
+    before = gateway.metrics()["prefixgate_prompt_cache_key_requests_total"]
+    chat = client.chat.completions.create(
+        model=model_name, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+        prompt_cache_key="app-7", prompt_cache_retention="in_memory",
+        safety_identifier="user-hash-1", user="someone")
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    text = client.completions.create(model=model_name, prompt="Hi", max_tokens=2, extra_body={
+        "prompt_cache_key": "app-7", "prompt_cache_retention": "24h",
+        "safety_identifier": "user-hash-2", "user": "someone"})
+    assert text.choices[0].finish_reason in ("stop", "length")
+    assert gateway.metrics()["prefixgate_prompt_cache_key_requests_total"] - before == 2
+
+
+def story(topic: str) -> str:
+    return f"{topic} was the subject of the harbour's evening talks for many years. " * 5
+
+
+@pytest.fixture
+def tiny_pool(model_path):
+    """4 blocks in the pool, at most 2 of them pinned, pins that last 6 s."""
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "6", "--pin-budget-mb", "3", "--pin-hours", str(6 / 3600),
+                            "--admin-key", ADMIN)
+    yield server
+    server.stop()
+
+
+def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, model_name):
+    client = openai_client(tiny_pool)
+
+    def ask(prompt: str, retention: str = "in_memory") -> int:
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=4,
+                                      temperature=0,
+                                      extra_body={"prompt_cache_retention": retention})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    pinned, plain = story("The lighthouse"), story("The ferry")
+    ask(pinned, "24h")
+    ask(plain)
+    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):  # each evicts what it can
+        ask(story(topic))
+        m = tiny_pool.metrics()
+        assert m["prefixgate_prefix_cache_pinned_blocks"] <= \
+            m["prefixgate_prefix_cache_pin_budget_blocks"] == 2
+    assert ask(plain) < 8  # evicted
+    assert ask(pinned) > 60  # survived, and its hit counts as pinned
+    assert tiny_pool.metrics()["prefixgate_prefix_cache_pinned_hits_total"] > 60
+    time.sleep(6.5)  # the pin expires: the prefix is evictable again
+    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
+        ask(story(topic))
+    assert ask(pinned) < 8
+    tiny_pool.settled()
+
+
+def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, gateway, model_name):
+    assert admin(gateway, "GET", "/v1/cache/stats")[0] == 404  # no --admin-key: no admin API
+    assert admin(tiny_pool, "GET", "/v1/cache/stats", key=None)[0] == 401
+    assert admin(tiny_pool, "GET", "/v1/cache/stats", key="wrong")[0] == 401
+    client = openai_client(tiny_pool)
+    client.completions.create(model=model_name, prompt=story("The pier"), max_tokens=4,
+                              extra_body={"prompt_cache_retention": "24h"})
+    status, listing = admin(tiny_pool, "GET", "/v1/cache/prefixes")
+    assert status == 200 and listing["data"]
+    row = listing["data"][0]
+    assert row["tokens"] > 60 and row["blocks"] == 2 and row["bytes"] > 0
+    assert row["pinned_until"] > time.time() and len(row["namespace"]) == 16
+    assert "preview" not in row  # prompts are shown only with --log-prompts
+    status, stats = admin(tiny_pool, "GET", "/v1/cache/stats")
+    metrics = tiny_pool.metrics()
+    assert stats["pool"]["blocks_used"] == metrics["prefixgate_kv_pool_blocks_used"]
+    assert stats["pins"]["blocks"] == metrics["prefixgate_prefix_cache_pinned_blocks"] > 0
+    assert stats["cells"]["total"] == metrics["prefixgate_kv_cells_total"]
+    status, dropped = admin(tiny_pool, "DELETE", "/v1/cache/prefixes")
+    assert status == 200 and dropped["dropped_blocks"] == metrics["prefixgate_kv_pool_blocks_used"]
+    assert tiny_pool.metrics()["prefixgate_kv_pool_blocks_used"] == 0
