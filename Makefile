@@ -28,12 +28,14 @@ lint: setup
 test: lint system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# What the tests run besides Python: a real redis-server, and docker-compose to validate
-# compose.yaml. Installed with apt when missing (as root, on Debian or Ubuntu).
-SYSTEM_DEPS := redis-server docker-compose
+# What the tests run besides Python: a real redis-server, docker-compose to validate
+# compose.yaml, and headless Chromium with its driver for the cache page. Installed with apt
+# when missing (as root, on Debian or Ubuntu): command -> the package that provides it.
+SYSTEM_DEPS := redis-server:redis-server docker-compose:docker-compose chromium:chromium \
+	chromedriver:chromium-driver
 system-deps:
-	@missing=""; for tool in $(SYSTEM_DEPS); do command -v $$tool >/dev/null || \
-		missing="$$missing $$tool"; done; \
+	@missing=""; for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || \
+		missing="$$missing $${pair##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

@@ -227,6 +227,7 @@ class RadixTree:
         if shorter.pinned_until > longer.pinned_until:
             longer.pinned_until = shorter.pinned_until
             self._pins[longer] = None
+        shorter.pinned_until = 0.0  # the pin lives on in the longer copy
         self._remove(shorter)
 
     def allocate(self) -> int | None:

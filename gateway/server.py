@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import itertools
 import logging
 import signal
 import threading
@@ -15,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -42,6 +44,7 @@ from gateway.workers import GenerationHandle, Overloaded, Workers
 log = logging.getLogger(__name__)
 
 ADMIN_PREFIX = "/v1/cache/"
+CACHE_PAGE = Path(__file__).parent / "static" / "cache.html"
 HOTTEST_PREFIXES = 50  # rows of GET /v1/cache/prefixes
 PREVIEW_CHARS = 80
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
@@ -64,6 +67,28 @@ class ServerConfig:
     rate_limits: RateLimits = RateLimits()  # per API key
 
 
+@dataclass(frozen=True)
+class HistorySample:
+    at: float  # monotonic
+    wall: float
+    queried: int
+    hit: int
+    evictions: int
+    ttft_seconds: float
+    ttft_count: int
+
+    def between(self, previous: HistorySample) -> dict:
+        """What happened from `previous` to this sample, per minute where a rate."""
+        minutes = (self.at - previous.at) / 60
+        queried = self.queried - previous.queried
+        first_tokens = self.ttft_count - previous.ttft_count
+        return {"time": self.wall,
+                "hit_rate": (self.hit - previous.hit) / queried if queried else None,
+                "ttft": (self.ttft_seconds - previous.ttft_seconds) / first_tokens
+                if first_tokens else None,
+                "evictions_per_minute": (self.evictions - previous.evictions) / minutes}
+
+
 class Gateway:
     """What the handlers share: the vocabulary (for prompts), the engine workers, and the
     metrics. Workers start on a background thread so that /health can answer 503 meanwhile."""
@@ -77,7 +102,7 @@ class Gateway:
         self.metrics = Metrics(self)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
-        self.history: deque[tuple[float, int, int]] = deque()  # (time, queried, hit tokens)
+        self.history: deque[HistorySample] = deque()
         self._loaded = threading.Event()
 
     @property
@@ -109,10 +134,13 @@ class Gateway:
                 sum(s.hit_tokens for s in stats) + self.workers.tier_stats().hit_tokens)
 
     def sample_history(self) -> None:
-        """Called every HISTORY_STEP seconds: what the hit rates over the last minutes read."""
+        """Called every HISTORY_STEP seconds: what the figures over the last minutes read."""
         now = time.monotonic()
-        self.history.append((now, *self.cache_totals()))
-        while self.history and self.history[0][0] < now - HISTORY_SECONDS:
+        index = self.workers.index.snapshot() if self.workers.index else None
+        self.history.append(HistorySample(
+            now, time.time(), *self.cache_totals(), index.evictions if index else 0,
+            self.metrics.ttft_seconds, self.metrics.ttft_count))
+        while self.history and self.history[0].at < now - HISTORY_SECONDS:
             self.history.popleft()
 
     def cache_stats(self) -> dict:
@@ -122,10 +150,10 @@ class Gateway:
         now, (queried, hit) = time.monotonic(), self.cache_totals()
 
         def hit_rate(seconds: float) -> float | None:
-            past = next((h for h in self.history if h[0] >= now - seconds), None)
-            if past is None or queried == past[1]:
+            past = next((h for h in self.history if h.at >= now - seconds), None)
+            if past is None or queried == past.queried:
                 return None
-            return (hit - past[2]) / (queried - past[1])
+            return (hit - past.hit) / (queried - past.queried)
 
         return {
             "pool": {"blocks_used": index.blocks_used, "blocks_free": index.blocks_free,
@@ -138,6 +166,8 @@ class Gateway:
             "evictions": index.evictions,
             "pins": {"blocks": index.blocks_pinned, "budget_blocks": index.pin_budget,
                      "fallbacks": index.pin_fallbacks, "hit_tokens": index.pinned_hit_tokens},
+            "history": [step.between(previous) for previous, step
+                        in itertools.pairwise(self.history)],
         }
 
     def close(self) -> None:
@@ -220,6 +250,14 @@ def _require_admin(request: web.Request) -> Gateway:
     if gateway.workers.index is None:
         raise APIError(404, "The prefix cache is off", code="cache_disabled")
     return gateway
+
+
+@routes.get("/cache")
+async def cache_page(request: web.Request) -> web.StreamResponse:
+    """The live cache page: static, it reads the admin API with the key it is given."""
+    if request.app["gateway"].config.admin_key is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(CACHE_PAGE)
 
 
 @routes.get("/v1/cache/prefixes")

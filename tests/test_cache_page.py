@@ -1,0 +1,82 @@
+"""The live cache page in a real browser (Debian's headless Chromium through selenium): its
+figures follow the traffic and match /v1/cache/stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+
+ADMIN = "page-admin"
+
+
+@pytest.fixture
+def browser():
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "chromium and chromium-driver are not installed (make test " \
+                                "installs them)"
+    options = Options()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
+        options.add_argument(flag)
+    session = webdriver.Chrome(service=Service(driver), options=options)
+    yield session
+    session.quit()
+
+
+def stats(server: GatewayProcess) -> dict:
+    request = urllib.request.Request(server.base_url + "/v1/cache/stats",
+                                     headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_the_page_follows_the_traffic_and_matches_the_stats(browser, model_path, model_name):
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "64", "--admin-key", ADMIN)
+    try:
+        browser.get(f"{server.base_url}/cache#key={ADMIN}")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+
+        def shows(element_id: str, value: object) -> bool:
+            return browser.find_element(By.ID, element_id).text == str(value)
+
+        wait.until(lambda _: shows("blocks-used", stats(server)["pool"]["blocks_used"]))
+        assert shows("cells-total", stats(server)["cells"]["total"])
+        client = openai_client(server)
+        for i, retention in enumerate(["24h", "in_memory", "in_memory"]):
+            client.completions.create(
+                model=model_name, max_tokens=4,
+                prompt=f"Harbour log {i}: the ships that came in today were many. " * 6,
+                extra_body={"prompt_cache_retention": retention})
+        after = stats(server)
+        assert after["pool"]["blocks_used"] > 0
+        wait.until(lambda _: shows("blocks-used", after["pool"]["blocks_used"]))
+        assert shows("pinned", after["pins"]["blocks"])
+        boxes = browser.find_elements(By.CSS_SELECTOR, "#treemap .prefix")
+        assert len(boxes) >= 3
+        assert browser.find_elements(By.CSS_SELECTOR, "#treemap .prefix.pinned")
+        assert not browser.find_element(By.ID, "error").text
+        if os.environ.get("PREFIXGATE_SCREENSHOT"):  # docs/cache-page.png is made this way
+            browser.save_screenshot(os.environ["PREFIXGATE_SCREENSHOT"])
+    finally:
+        server.stop()
+
+
+def test_the_page_is_absent_without_the_admin_api(gateway):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(gateway.base_url + "/cache", timeout=5)
+    assert raised.value.code == 404
