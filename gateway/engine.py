@@ -466,7 +466,7 @@ class Engine:
             cells_used=self.cells.used, cells_total=self.cells.n_cells,
             preemptions=self._preemptions, shared_tokens=self._shared_tokens,
             computed_tokens=self._computed_tokens,
-            cache=dataclasses.replace(cache.stats) if cache else None, failure=self.failure)
+            cache=dataclasses.replace(cache.stats) if cache else None)
         if self._on_publish:
             self._on_publish(self.snapshot)
 

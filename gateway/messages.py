@@ -104,7 +104,6 @@ class EngineSnapshot:
     shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
     computed_tokens: int = 0  # prompt tokens prefilled: neither shared nor loaded
     cache: CacheStats | None = None
-    failure: str | None = None  # why the engine thread died, if it did
 
 
 # ----- the cache index's answers ------------------------------------------------------------

@@ -149,6 +149,11 @@ class _EngineCollector(Collector):
                                      labels=["tier"])
         errors.add_metric(["redis"], tier.errors)
         yield errors
+        dropped = CounterMetricFamily("prefixgate_prefix_cache_tier_dropped_blocks",
+                                      "Blocks never written to a tier: its write queue was full",
+                                      labels=["tier"])
+        dropped.add_metric(["redis"], tier.dropped_blocks)
+        yield dropped
         snap = index.snapshot()
         yield GaugeMetricFamily("prefixgate_prefix_cache_pinned_blocks",
                                 "Pool blocks pinned by prompt_cache_retention 24h",

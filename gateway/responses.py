@@ -21,7 +21,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_call: ToolCall | None = None  # the answer was this call (finish_reason tool_calls)
-    completion_tokens: int = 0
+    usage: Usage | None = None  # on its last output
 
 
 def usage_body(usage: Usage) -> dict:

@@ -378,7 +378,7 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
         if limiter is not None and key is not None:
-            limiter.charge(key, sum(c.completion_tokens for c in choices))
+            limiter.charge(key, sum(c.usage.completion_tokens for c in choices if c.usage))
         if pinning:
             gateway.workers.pin(generation)
         if gateway.config.log_prompts:
@@ -391,8 +391,10 @@ def _timed_out(seconds: float) -> APIError:
                     code="timeout")
 
 
-async def _outputs(handles: list[GenerationHandle]) -> AsyncIterator[tuple[int, Output]]:
-    """Every choice's outputs as they come, with the choice's index."""
+async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
+                   timer) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs as they come, with the choice's index, each one timed and added
+    to its Choice first (text, logprobs; on the last one why it ended and its usage)."""
     merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
 
     async def pump(i: int, handle: GenerationHandle) -> None:
@@ -404,6 +406,12 @@ async def _outputs(handles: list[GenerationHandle]) -> AsyncIterator[tuple[int, 
     try:
         while unfinished:
             i, output = await merged.get()
+            timer.on_output(output)
+            choice = choices[i]
+            choice.text += output.text
+            choice.logprobs += output.logprobs
+            if output.usage:
+                choice.finish_reason, choice.usage = output.finish_reason, output.usage
             yield i, output
             unfinished -= output.last
     finally:
@@ -411,8 +419,9 @@ async def _outputs(handles: list[GenerationHandle]) -> AsyncIterator[tuple[int, 
             task.cancel()
 
 
-def _total_usage(usages: list[Usage]) -> Usage:
+def _total_usage(choices: list[Choice]) -> Usage:
     """The prompt once, every choice's completion tokens."""
+    usages = [c.usage for c in choices if c.usage]
     return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
                  usages[0].cached_tokens)
 
@@ -420,25 +429,17 @@ def _total_usage(usages: list[Usage]) -> Usage:
 async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, timer,
                    timeout: float | None, choices: list[Choice],
                    toolbox: Toolbox | None) -> web.Response:
-    usages = []
     try:
         async with asyncio.timeout(timeout):
-            async for i, output in _outputs(handles):
-                timer.on_output(output)
+            async for _, output in _outputs(handles, choices, timer):
                 if output.error:
                     raise _generation_error(output)
-                choices[i].text += output.text
-                choices[i].logprobs += output.logprobs
-                if output.last:
-                    choices[i].finish_reason = output.finish_reason
-                    choices[i].completion_tokens = output.usage.completion_tokens
-                    usages.append(output.usage)
     except TimeoutError:
         raise _timed_out(timeout) from None
     if toolbox is not None:
         for choice in choices:
             choice.tool_call = toolbox.parse(choice.text)
-    return _json(writer.whole(choices, _total_usage(usages)))
+    return _json(writer.whole(choices, _total_usage(choices)))
 
 
 async def _stream(request: web.Request, handles: list[GenerationHandle],
@@ -453,17 +454,13 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
         for i in range(len(handles)):
             await _event(response, writer.chunk("", first=True, with_usage_field=include_usage,
                                                 index=i))
-    usages = []
     try:
         async with asyncio.timeout(timeout):
-            async for i, output in _outputs(handles):
-                timer.on_output(output)
+            async for i, output in _outputs(handles, choices, timer):
                 if output.error:
                     await _event(response, _generation_error(output).body())
                     break
-                choices[i].text += output.text
                 if toolbox is not None:
-                    choices[i].logprobs += output.logprobs
                     if output.last:
                         await _finish_tool_choice(response, writer, toolbox, choices[i], i,
                                                   output, include_usage)
@@ -471,12 +468,9 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
                     await _event(response, writer.chunk(output.text, output.finish_reason,
                                                         with_usage_field=include_usage,
                                                         logprobs=output.logprobs, index=i))
-                if output.usage:
-                    choices[i].completion_tokens = output.usage.completion_tokens
-                    usages.append(output.usage)
             else:
                 if include_usage:
-                    await _event(response, writer.usage_chunk(_total_usage(usages)))
+                    await _event(response, writer.usage_chunk(_total_usage(choices)))
     except TimeoutError:
         await _event(response, _timed_out(timeout).body())
     await response.write(b"data: [DONE]\n\n")

@@ -229,9 +229,6 @@ class Workers:
         with self._lock:
             return sum(len(w.requests) for w in self._workers)
 
-    def submit(self, request: GenerationRequest) -> GenerationHandle:
-        return self.submit_group([request])[0]
-
     def pin(self, request: GenerationRequest) -> None:
         """prompt_cache_retention "24h": the prompt's cached blocks outlive LRU for a while."""
         if self.index is not None:
@@ -474,8 +471,8 @@ class Workers:
 
     def views(self) -> list[WorkerView]:
         with self._lock:
-            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed),
-                               len(w.requests)) for w in self._workers]
+            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed))
+                    for w in self._workers]
 
 
 @dataclass(frozen=True)
@@ -484,4 +481,3 @@ class WorkerView:
     state: str
     snapshot: EngineSnapshot
     routed: dict[str, int]
-    in_flight: int

@@ -4,7 +4,6 @@ is released, and the engine serves on (or, dead, says so instead of hanging)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -124,11 +123,6 @@ def test_dead_engine_answers_everyone_and_refuses_new_requests(local, prompt):
     outputs = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert outputs[-1].error and outputs[-1].unavailable
     assert not engine.alive and "injected death" in engine.failure
-    # Published after the answers, for a worker's gateway to learn why.
-    deadline = time.monotonic() + 5
-    while engine.snapshot.failure is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert "injected death" in engine.snapshot.failure
 
 
 def test_stop_answers_running_and_queued_requests(local_model, prompt):
