@@ -164,13 +164,19 @@ class RunningServer(ServerProcess):
             raise
 
     def sample_rss(self) -> None:
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
+        """Resident memory of the server and its children (prefixgate's engine workers)."""
+        rss, pids = 0, [self.proc.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children")
+                         .read_text().split()]
+            except OSError:
+                continue
+            rss += next(int(line.split()[1]) * 1024 for line in status.splitlines()
+                        if line.startswith("VmRSS:"))
+        self.peak_rss = max(self.peak_rss, rss)
 
 
 @contextmanager
