@@ -20,7 +20,7 @@ RUN apt-get update \
 # build with AVX2 as the floor. A native build (GGML_NATIVE=ON) would tune llama.cpp for the
 # build machine and die with SIGILL on CPUs that report AMX the virtual machine does not enable.
 ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
--DGGML_BMI2=ON -DLLAVA_BUILD=OFF"
+-DGGML_BMI2=ON -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF"
 
 WORKDIR /src
 # Only what the wheel is built from (pyproject's readme is README.md), so that editing tests or

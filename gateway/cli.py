@@ -32,11 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
     p.add_argument("--kv-type", choices=KV_TYPE_NAMES, default=None,
                    help="KV cache type: f16 (default) or q8_0 (half the memory, changes "
-                        "outputs slightly; implies --flash-attn, which llama.cpp needs to "
+                        "outputs slightly; needs flash attention, which llama.cpp needs to "
                         "quantize V)")
-    p.add_argument("--flash-attn", action="store_true",
-                   help="flash attention (llama-server's default): faster prefill and batches, "
-                        "outputs as llama-cpp-python's with flash_attn=True, not its default")
+    p.add_argument("--flash-attn", choices=("on", "off"), nargs="?", const="on", default="on",
+                   help="flash attention, on as llama-server's -fa auto turns it on for the "
+                        "CPU: outputs as llama-cpp-python's with flash_attn=True. off: outputs "
+                        "as llama-cpp-python's defaults, slower prefill and batches")
+    p.add_argument("--no-flash-attn", dest="flash_attn", action="store_const", const="off",
+                   help="the same as --flash-attn off")
     p.add_argument("--deterministic", action="store_true",
                    help="greedy output independent of batching and the cache: Q8_0 KV in one "
                         "stream per sequence, no cell sharing between sequences")
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.deterministic and args.kv_type not in (None, "q8_0"):
         parser.error("--deterministic keeps its guarantee with Q8_0 KV only")
+    if args.flash_attn == "off" and (args.kv_type == "q8_0" or args.deterministic):
+        parser.error("q8_0 KV and --deterministic need flash attention")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     logging.basicConfig(level=args.log_level.upper(),
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path = Path(args.model) if args.model else default_model_path()
     engine = EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
                           batch_tokens=args.batch_tokens, threads=args.threads,
-                          kv_type=args.kv_type, flash_attn=args.flash_attn,
+                          kv_type=args.kv_type, flash_attn=args.flash_attn == "on",
                           deterministic=args.deterministic,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
                                             budget_mb=args.cache_mb, block_size=args.block_size))

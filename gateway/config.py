@@ -40,7 +40,7 @@ class EngineConfig:
     batch_tokens: int = 512
     threads: int = 2
     kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
-    flash_attn: bool = False  # default mode only: the deterministic mode always uses it
+    flash_attn: bool = True  # default mode only: the deterministic mode always uses it
     deterministic: bool = False
     cache: CacheConfig = CacheConfig()
 
@@ -52,9 +52,10 @@ class EngineConfig:
                                 n_seq_max=self.parallel, n_batch=self.batch_tokens,
                                 n_threads=self.threads, kv_type=self.kv_type or "q8_0",
                                 flash_attn=True, unified=False)
-        # Flash attention off and F16 KV are llama-cpp-python's defaults: a request alone gives
-        # its tokens exactly. One more sequence id is the scratch used to move KV ranges.
-        # llama.cpp quantizes V only with flash attention: q8_0 KV brings it along.
+        # F16 KV with flash attention, as llama-server runs on a CPU: a request alone gives the
+        # tokens of llama-cpp-python's flash_attn=True (without it, of its defaults). One more
+        # sequence id is the scratch used to move KV ranges. llama.cpp quantizes V only with
+        # flash attention: q8_0 KV brings it along.
         kv_type = self.kv_type or "f16"
         return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
                             n_batch=self.batch_tokens, n_threads=self.threads,

@@ -34,6 +34,7 @@ from gateway.config import EngineConfig
 from gateway.kv_cells import CellLedger
 from gateway.llama import (
     Batch,
+    Candidates,
     Context,
     DecodeError,
     KVCacheFull,
@@ -112,6 +113,7 @@ class Engine:
         self.ctx = Context(model, shape)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
+        self._candidates = Candidates(model.n_vocab)
         # What a block of this context's KV looks like; None: nothing is cached.
         self.kv_layout = cacheable_layout(model, self.ctx, config.cache)
         self.cache: PrefixCache | None = None
@@ -278,7 +280,10 @@ class Engine:
 
     def _start(self, seq: _Sequence, donor: _Sequence | None, live: int) -> None:
         if seq.sampler is None:
-            seq.sampler = Sampler(seq.request.sampler, self.model, penalty_window=self.seq_len)
+            request = seq.request
+            seq.sampler = Sampler(request.sampler, self.model, penalty_window=self.seq_len,
+                                  logit_bias=request.logit_bias,
+                                  ban_eog=request.ignore_eos or request.min_tokens > 0)
             seq.text = TextStream(seq.request.stop)
         seq.slot = self._free_slots.pop()
         seq.admitted = next(self._admissions)
@@ -391,24 +396,16 @@ class Engine:
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
         request = seq.request
-        # Before bias and penalties touch the logits: the model's own distribution.
-        raw = self.ctx.logits(batch_index).copy() if request.logprobs is not None else None
-        suppress_eog = request.ignore_eos or seq.n_generated < request.min_tokens
-        if suppress_eog or request.logit_bias:
-            logits = self.ctx.logits(batch_index)
-            if request.logit_bias:
-                ids, biases = request.bias_arrays
-                logits[ids] += biases
-            if suppress_eog:
-                logits[self.model.eog_tokens] = -np.inf
-        token = seq.sampler.sample(self.ctx, batch_index)
+        may_end = not request.ignore_eos and seq.n_generated >= request.min_tokens
+        token = seq.sampler.sample(self.ctx, batch_index, self._candidates, allow_eog=may_end)
         prompt_done = seq.n_generated == 0
         if self.model.is_eog(token):
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
             return
         seq.tokens.append(token)
-        if raw is not None:
-            seq.logprobs.append(_token_logprob(raw, token, request.logprobs))
+        if request.logprobs is not None:  # sampling left the logits as the model gave them
+            seq.logprobs.append(_token_logprob(self.ctx.logits(batch_index), token,
+                                               request.logprobs))
         text = seq.text.push(self.model.token_piece(token))
         if seq.text.stopped:
             self._finish(seq, Output(text=text, finish_reason="stop"))

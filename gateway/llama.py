@@ -49,6 +49,13 @@ class KVCacheFull(DecodeError):
     """llama_decode found no free cells for the batch; the context is unchanged."""
 
 
+def openmp_build() -> bool:
+    """True when llama.cpp was built with OpenMP, whose thread team decodes ~3x slower when
+    `llama_decode` is called from any thread but the process's main one (the engine's is not):
+    build with -DGGML_OPENMP=OFF for ggml's own threadpool."""
+    return b"OPENMP = 1" in lc.llama_print_system_info()
+
+
 def runtime_version() -> str:
     """The llama-cpp-python release, which pins the llama.cpp build and its KV layout."""
     return lc.__version__
@@ -268,19 +275,58 @@ class SamplerSettings:
     grammar: str | None = None  # GBNF the output must follow (structured outputs)
 
 
-class Sampler:
-    """A llama.cpp sampler chain for one request. The chain keeps the penalty history, so each
-    request owns one."""
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
-    def __init__(self, settings: SamplerSettings, model: Model, penalty_window: int) -> None:
+
+class Candidates:
+    """One llama_token_data_array over the whole vocabulary, reused by every sampling call of
+    the engine thread: filling it is two memory copies, where a Python loop would cost a
+    vocabulary's worth of calls."""
+
+    def __init__(self, n_vocab: int) -> None:
+        fresh = np.zeros(n_vocab, _TOKEN_DATA)
+        fresh["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._data = fresh.copy()
+        # As plain words: numpy copies a structured array field by field, ten times slower.
+        self._fresh_words, self._words = fresh.view(np.int32), self._data.view(np.int32)
+        self._pointer = self._data.ctypes.data_as(lc.llama_token_data_p)
+        self.raw = lc.llama_token_data_array(self._pointer, n_vocab, -1, False)
+        self.ref = ctypes.byref(self.raw)
+
+    def fill(self, logits: np.ndarray) -> None:
+        self._words[:] = self._fresh_words  # samplers sort and truncate the array in place
+        self._data["logit"] = logits
+        self.raw.data, self.raw.size = self._pointer, len(self._data)
+        self.raw.selected, self.raw.sorted = -1, False
+
+    @property
+    def selected(self) -> int:
+        return self.raw.data[self.raw.selected].id
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request, with its grammar kept apart as llama-server
+    keeps it: the chain picks a token, and only that token is checked against the grammar. The
+    grammar pass over the whole vocabulary runs only when the pick is rejected. The chain keeps
+    the penalty history, so each request owns one."""
+
+    def __init__(self, settings: SamplerSettings, model: Model, penalty_window: int,
+                 logit_bias: dict[int, float] | None = None, ban_eog: bool = False) -> None:
         s, n_vocab = settings, model.n_vocab
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        if s.grammar is not None:  # first: what follows only ever sees allowed tokens
-            grammar = lc.llama_sampler_init_grammar(model.vocab, s.grammar.encode(), b"root")
-            if not grammar:
+        self.grammar: lc.llama_sampler_p | None = None
+        self.eog_ban: lc.llama_sampler_p | None = None
+        if s.grammar is not None:
+            self.grammar = lc.llama_sampler_init_grammar(model.vocab, s.grammar.encode(),
+                                                         b"root") or None
+            if self.grammar is None:
                 self.close()
                 raise ValueError("llama.cpp could not parse the output grammar")
-            self._add(grammar)
+        if ban_eog:  # applied only while the request may not end (ignore_eos, min_tokens)
+            self.eog_ban = _logit_bias_sampler(
+                n_vocab, {int(t): -np.inf for t in model.eog_tokens})
+        if logit_bias:
+            self._add(_logit_bias_sampler(n_vocab, logit_bias))
         if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
             self._add(lc.llama_sampler_init_penalties(
                 n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty,
@@ -301,10 +347,41 @@ class Sampler:
     def _add(self, sampler: lc.llama_sampler_p) -> None:
         lc.llama_sampler_chain_add(self.ptr, sampler)
 
-    def sample(self, ctx: Context, batch_index: int) -> int:
-        return lc.llama_sampler_sample(self.ptr, ctx.ptr, batch_index)
+    def sample(self, ctx: Context, batch_index: int, candidates: Candidates,
+               allow_eog: bool = True) -> int:
+        token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=False)
+        if self.grammar is not None and not self._grammar_allows(token):
+            token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=True)
+        lc.llama_sampler_accept(self.ptr, token)
+        if self.grammar is not None:
+            lc.llama_sampler_accept(self.grammar, token)
+        return token
+
+    def _pick(self, ctx: Context, batch_index: int, candidates: Candidates, allow_eog: bool,
+              with_grammar: bool) -> int:
+        candidates.fill(ctx.logits(batch_index))
+        if not allow_eog and self.eog_ban is not None:
+            lc.llama_sampler_apply(self.eog_ban, candidates.ref)
+        if with_grammar:
+            lc.llama_sampler_apply(self.grammar, candidates.ref)
+        lc.llama_sampler_apply(self.ptr, candidates.ref)
+        return candidates.selected
+
+    def _grammar_allows(self, token: int) -> bool:
+        one = lc.llama_token_data(token, 1.0, 0.0)
+        single = lc.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        lc.llama_sampler_apply(self.grammar, ctypes.byref(single))
+        return single.data[0].logit != -np.inf
 
     def close(self) -> None:
-        if self.ptr:
-            lc.llama_sampler_free(self.ptr)
-            self.ptr = None
+        for name in ("ptr", "grammar", "eog_ban"):
+            sampler = getattr(self, name)
+            if sampler:
+                lc.llama_sampler_free(sampler)
+                setattr(self, name, None)
+
+
+def _logit_bias_sampler(n_vocab: int, bias: dict[int, float]) -> lc.llama_sampler_p:
+    entries = (lc.llama_logit_bias * len(bias))(
+        *(lc.llama_logit_bias(token, value) for token, value in bias.items()))
+    return lc.llama_sampler_init_logit_bias(n_vocab, len(bias), entries)

@@ -13,7 +13,6 @@ applied before any later call of the same worker.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,12 +36,6 @@ class GenerationRequest:
     # its prefixes (in the pool and in live sequences) are shared with no other namespace.
     namespace: str = ""
     logprobs: int | None = None  # None: none; k: each chosen token's and the k likeliest
-
-    @functools.cached_property
-    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """logit_bias as (token ids, biases), built once rather than at every step."""
-        return (np.fromiter(self.logit_bias.keys(), dtype=np.int64),
-                np.fromiter(self.logit_bias.values(), dtype=np.float32))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from cache.arena import BlockArena
 from cache.fingerprint import gguf_fingerprint
 from gateway.config import EngineConfig
 from gateway.engine import Engine, EngineUnavailable
-from gateway.llama import Model, runtime_version
+from gateway.llama import Model, openmp_build, runtime_version
 from gateway.messages import (
     Attach,
     Cancel,
@@ -130,6 +130,10 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
             last_sent[:] = [snapshot]
             link.send(Published(snapshot))
 
+    if openmp_build():
+        log.warning("llama.cpp was built with OpenMP: decoding from the engine thread runs ~3x "
+                    "slower than from a main thread; rebuild llama-cpp-python with "
+                    "CMAKE_ARGS=-DGGML_OPENMP=OFF")
     model = Model(model_path)
     engine = Engine(model, config, on_publish=publish)
     fingerprint = kv_fingerprint(model_path, engine) if engine.kv_layout else None

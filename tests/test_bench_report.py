@@ -67,7 +67,7 @@ def test_target_lines_cover_both_engine_modes_against_llama_server(tmp_path):
     table = write_report(FIGURES, tmp_path, plots=False)
     expected = [
         "- prefixgate vs llama-server, single-request prefill: 900.0 vs 1000.0 tok/s = 0.90x "
-        "(target >= 0.95x): not met.",
+        "(target >= 1x): not met.",
         "- prefixgate vs llama-server, unique prompts, concurrency 1, output throughput: "
         "21.0 vs 20.0 tok/s = 1.05x (target >= 1x): met.",
         "- prefixgate vs llama-server, unique prompts, concurrency 8, output throughput: "
@@ -75,9 +75,13 @@ def test_target_lines_cover_both_engine_modes_against_llama_server(tmp_path):
         "- prefixgate vs llama-server, shared prefix, concurrency 8, TTFT p50: "
         "4.000 vs 10.000 s = 0.40x (target <= 0.5x): met.",
         "- prefixgate vs llama-server, 64 streams, wall time: 15.000 vs 100.000 s = 0.15x "
-        "(target <= 0.2x): met.",
+        "(target <= 0.1x): not met.",
         "- prefixgate-deterministic vs llama-server, single-request prefill: 960.0 vs 1000.0 "
-        "tok/s = 0.96x (target >= 0.95x): met.",
+        "tok/s = 0.96x (target >= 1x): not met.",
+        "- prefixgate vs llama-server, multi-turn, concurrency 8, TTFT p50: 1.000 vs 1.000 s "
+        "= 1.00x (target <= 0.5x): not met.",
+        "- prefixgate vs llama-server, peak memory: 1024 vs 1024 MiB = 1.00x (target <= 1x): "
+        "met.",
         "- prefixgate-deterministic vs llama-server, shared prefix, concurrency 8, TTFT p50: "
         "6.000 vs 10.000 s = 0.60x (target <= 0.5x): not met.",
     ]
@@ -89,7 +93,7 @@ def test_target_lines_cover_both_engine_modes_against_llama_server(tmp_path):
 def test_a_run_with_failed_requests_misses_its_target(tmp_path):
     table = write_report(FIGURES, tmp_path, plots=False)
     assert ("- prefixgate-deterministic vs llama-server, 64 streams, wall time: 10.000 vs "
-            "100.000 s = 0.10x (target <= 0.2x): not met; 3 of prefixgate-deterministic's "
+            "100.000 s = 0.10x (target <= 0.1x): not met; 3 of prefixgate-deterministic's "
             "requests failed.") in table.splitlines()
 
 
@@ -98,7 +102,7 @@ def test_targets_without_a_baseline_run_say_not_measured(tmp_path):
     figures["prefill"] = [r for r in figures["prefill"] if r["system"] != "llama-server"]
     table = write_report(figures, tmp_path, plots=False)
     assert ("- prefixgate vs llama-server, single-request prefill: not measured "
-            "(target >= 0.95x).") in table.splitlines()
+            "(target >= 1x).") in table.splitlines()
 
 
 def test_other_systems_are_compared_without_targets(tmp_path):
@@ -115,7 +119,7 @@ def table_rows(table: str, heading: str) -> list[list[str]]:
 
 def test_prefill_table_gives_the_ratio_to_llama_server(tmp_path):
     table = write_report(FIGURES, tmp_path, plots=False)
-    assert "target >= 0.95x llama-server's" in table
+    assert "target >= 1x llama-server's" in table
     rows = table_rows(table, "Single-request prefill")
     assert rows[1] == ["prefixgate", "1040", "1.000", "900.0", "0.90x", "0"]
     assert rows[3][:5] == ["llama-server", "1040", "1.000", "1000.0", "1.00x"]

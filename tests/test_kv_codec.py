@@ -16,7 +16,7 @@ BLOCK = 16
 SCRATCH = 3
 
 
-MODES = {"default": {}, "default --flash-attn": {"flash_attn": True},
+MODES = {"default": {}, "default --no-flash-attn": {"flash_attn": False},
          "deterministic": {"deterministic": True}}
 
 
@@ -58,7 +58,7 @@ def rows_by_position(state: SequenceState) -> list[np.ndarray]:
 
 
 def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys):
-    """Bitwise in the deterministic layout; in the default one (flash attention off, F16) the
+    """Bitwise in the deterministic layout; in the unified ones (F16) the
     restored cells sit elsewhere in the pool, so sums group differently: close, not equal."""
     tokens = local_model.tokenize("The history of the radix tree begins with " * 8,
                                   add_special=False, parse_special=False)

@@ -4,6 +4,7 @@ agree with llama-cpp-python's for the same greedy completion."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ PROMPT = "The three largest cities of Finland are"
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    return Llama(str(model_path), n_ctx=1024, logits_all=True, verbose=False)
+    return Llama(str(model_path), n_ctx=1024, logits_all=True, flash_attn=True,
+                 n_threads=os.cpu_count(), verbose=False)
 
 
 def test_completion_logprobs_agree_with_llama_cpp_python(client, model_name, reference):

@@ -12,7 +12,10 @@ QUESTION = "When was the lighthouse built?"
 
 
 def test_a_restart_keeps_the_hot_prefixes(model_path, model_name, tmp_path):
-    args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(tmp_path))
+    # Without flash attention the warm answer equals the cold one token for token (see
+    # tests/test_prefix_cache.py): restored blocks are compared by what they produce.
+    args = ("--parallel", "2", "--ctx-size", "2048", "--no-flash-attn", "--cache-dir",
+            str(tmp_path))
     first = GatewayProcess(model_path, *args)
     try:
         text, usage = ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))

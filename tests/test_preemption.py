@@ -6,6 +6,7 @@ of F16 kernels batched differently)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -33,7 +34,8 @@ def _prompt(local_model, topic: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def scorer(model_path):
-    return Llama(str(model_path), n_ctx=1024, logits_all=True, verbose=False)
+    return Llama(str(model_path), n_ctx=1024, logits_all=True, flash_attn=True,
+                 n_threads=os.cpu_count(), verbose=False)
 
 
 def assert_greedy(scorer: Llama, eog: np.ndarray, prompt: list[int], generated: tuple[int, ...]):
