@@ -23,7 +23,7 @@ from loadtest.client import stream_chat
 from loadtest.gateway_process import GatewayProcess
 
 BURST = 8
-PREFIX_WORDS = 760  # ~1,024 tokens of this model with the chat template
+PREFIX_WORDS = 990  # ~1,024 tokens of this model with the chat template
 WORDS = ["river", "mountain", "ledger", "archive", "lantern", "harbor", "orchard", "meadow",
          "copper", "signal", "engine", "garden", "window", "thunder", "compass", "violet",
          "canyon", "marble", "anchor", "falcon", "summit", "willow", "quartz", "beacon"]
