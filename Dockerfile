@@ -27,6 +27,7 @@ WORKDIR /src
 # docs does not rebuild llama.cpp.
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
+COPY engine ./engine
 COPY cache ./cache
 RUN CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -9,10 +9,11 @@ import logging
 import os
 from pathlib import Path
 
+from cache.redis_tier import TierConfig
+from engine.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
 from gateway.auth import KeyFileError, KeyRing
-from gateway.config import KV_TYPE_NAMES, CacheConfig, EngineConfig, Limits, WorkersConfig
+from gateway.config import Limits, WorkersConfig
 from gateway.ratelimit import RateLimits
-from gateway.redis_tier import TierConfig
 from gateway.router import POLICIES, RoutingConfig
 
 

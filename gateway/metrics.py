@@ -15,17 +15,16 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.messages import Output
+from engine.messages import Output
 
 if TYPE_CHECKING:
-    from gateway.server import Gateway
-    from gateway.workers import WorkerView
+    from gateway.workers import Workers, WorkerView
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 class Metrics:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, workers: Workers) -> None:
         self.started = time.monotonic()
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("prefixgate_time_to_first_token_seconds",
@@ -43,7 +42,7 @@ class Metrics:
                                          "Completion tokens generated", registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
-        r.register(_EngineCollector(gateway))
+        r.register(_EngineCollector(workers))
         self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
         self.ttft_count = 0
 
@@ -85,11 +84,11 @@ class _EngineCollector(Collector):
     to their threads) and the cache index's counts. Unlabelled families are totals over the
     workers; the `prefixgate_worker_*` families carry a `worker` label."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
 
     def collect(self):
-        workers = self._gateway.workers
+        workers = self._workers
         views = workers.views()
         if not views:
             return

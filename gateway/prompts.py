@@ -8,7 +8,7 @@ import logging
 
 from llama_cpp import llama_chat_format
 
-from gateway.llama import Model
+from engine.llama import Model
 from gateway.protocol import Message
 from gateway.tools import Toolbox
 

@@ -8,9 +8,8 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.messages import GenerationRequest, SamplerSettings
 from gateway.errors import APIError, invalid
-from gateway.llama import SamplerSettings
-from gateway.messages import GenerationRequest
 from gateway.structured import grammar_for
 from gateway.tools import Toolbox
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.messages import TokenLogprob, Usage
+from engine.messages import TokenLogprob, Usage
 from gateway.tools import ToolCall
 
 TokenBytes = Callable[[int], bytes]

@@ -21,12 +21,11 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
+from engine.llama import Model
+from engine.messages import EngineUnavailable, Output, Usage
 from gateway.auth import KeyRing
 from gateway.config import Limits, WorkersConfig
-from gateway.engine import EngineUnavailable
 from gateway.errors import APIError, invalid
-from gateway.llama import Model
-from gateway.messages import Output, Usage
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.protocol import (
@@ -99,7 +98,7 @@ class Gateway:
         self.prompts: PromptBuilder | None = None
         self.workers = Workers(config.workers)
         self.load_error: str | None = None
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.workers)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
         self.history: deque[HistorySample] = deque()

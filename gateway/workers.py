@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from cache import persistence
 from cache.arena import (
     HEADER_BYTES,
     ArenaHeader,
@@ -34,16 +35,15 @@ from cache.arena import (
     default_arena_path,
     remove_stale_arenas,
 )
-from gateway import persistence
-from gateway import worker as worker_main
-from gateway.cache_index import CacheIndex
-from gateway.config import WorkersConfig
-from gateway.engine import EngineUnavailable
-from gateway.messages import (
+from cache.index import CacheIndex
+from cache.redis_tier import RedisTier, TierStats
+from engine import process as worker_process
+from engine.messages import (
     Attach,
     Cancel,
     CommitStore,
     EngineSnapshot,
+    EngineUnavailable,
     GenerationRequest,
     IndexReply,
     MatchCall,
@@ -56,7 +56,7 @@ from gateway.messages import (
     Shutdown,
     Submit,
 )
-from gateway.redis_tier import RedisTier, TierStats
+from gateway.config import WorkersConfig
 from gateway.router import Router, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Workers:
     def _spawn(self, worker_id: int, restarts: int = 0) -> WorkerProcess:
         ours, theirs = self._mp.Pipe(duplex=True)
         process = self._mp.Process(
-            target=worker_main.run, name=f"prefixgate-worker-{worker_id}", daemon=True,
+            target=worker_process.run, name=f"prefixgate-worker-{worker_id}", daemon=True,
             args=(theirs, worker_id, self.config.model_path, self.config.engine,
                   self.config.log_level))
         process.start()

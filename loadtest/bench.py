@@ -30,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
-from gateway.llama import Model
+from engine.llama import Model
 from gateway.model_store import default_model_path
 from gateway.prompts import PromptBuilder
 from gateway.protocol import Message

@@ -8,7 +8,7 @@ For each concurrency it decodes `--tokens` greedy tokens per sequence after a sh
   `llama_sampler_sample` each, as little as a batched loop can do;
 - bare loop, second thread: the same loop from a thread that is not the process's main one
   (where the engine runs), which an OpenMP build of llama.cpp makes ~3x slower;
-- engine: gateway.engine.Engine on its own thread, exactly as a worker process runs it (cache
+- engine: engine.batching.Engine on its own thread, exactly as a worker process runs it (cache
   off: the decode path is the same), with the share of its step spent outside `llama_decode`.
 
 It prints a markdown table: ms per decode step (one token for each sequence) and tok/s.
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import llama_cpp as lc
 import numpy as np
 
-from gateway.config import CacheConfig, EngineConfig
-from gateway.engine import Engine
-from gateway.llama import Model, SamplerSettings, openmp_build
-from gateway.messages import GenerationRequest, Output
+from engine.batching import Engine
+from engine.config import CacheConfig, EngineConfig
+from engine.llama import Model, openmp_build
+from engine.messages import GenerationRequest, Output, SamplerSettings
 from gateway.model_store import default_model_path
 
 N_CTX = 16384  # the engine's default: one unified pool of cells

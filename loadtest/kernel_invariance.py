@@ -44,8 +44,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 import llama_cpp as lc
 import numpy as np
 
-from gateway.config import ContextShape
-from gateway.llama import Batch, Context, Model
+from engine.config import ContextShape
+from engine.llama import Batch, Context, Model
 from gateway.model_store import default_model_path
 
 N_SEQ = 8

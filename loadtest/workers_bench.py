@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gateway.llama import Model
+from engine.llama import Model
 from gateway.model_store import default_model_path
 from loadtest.bench import FULL, System, measure, serving, stream_layout
 from loadtest.gateway_process import ROOT

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.llama import Model
+from engine.llama import Model
 
 WORDS = [
     "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child",

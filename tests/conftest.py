@@ -5,7 +5,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.llama import Model
+from engine.llama import Model
 from gateway.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache.arena import HEADER_BYTES, ArenaHeader, BlockArena, default_arena_path
-from gateway.cache_index import CacheIndex
-from gateway.config import EngineConfig
-from gateway.engine import Engine
-from gateway.llama import Model
-from gateway.messages import EngineSnapshot, GenerationRequest
+from cache.index import CacheIndex
+from engine.batching import Engine
+from engine.config import EngineConfig
+from engine.llama import Model
+from engine.messages import EngineSnapshot, GenerationRequest
 from gateway.workers import GenerationHandle
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from gateway.config import CacheConfig
-from gateway.prefix_cache import cacheable_layout
+from engine.config import CacheConfig
+from engine.prefix_cache import cacheable_layout
 
 
 def test_smollm2_kv_splits_into_position_blocks(local_model):

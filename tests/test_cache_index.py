@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.cache_index import CacheIndex
+from cache.index import CacheIndex
 
 BLOCK = 4
 

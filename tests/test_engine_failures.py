@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 
-from gateway.config import CacheConfig, EngineConfig
-from gateway.engine import EngineUnavailable
-from gateway.llama import DecodeError, SamplerSettings
-from gateway.messages import GenerationRequest
+from engine.config import CacheConfig, EngineConfig
+from engine.llama import DecodeError
+from engine.messages import EngineUnavailable, GenerationRequest, SamplerSettings
 from tests.local_engine import LocalEngine
 
 GREEDY = SamplerSettings(temperature=0.0)

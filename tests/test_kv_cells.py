@@ -8,7 +8,7 @@ import itertools
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gateway.kv_cells import CellLedger
+from engine.kv_cells import CellLedger
 
 SEQUENCES = st.integers(0, 4)
 

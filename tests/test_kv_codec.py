@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
-from gateway.config import EngineConfig
-from gateway.llama import Batch, Context
+from engine.config import EngineConfig
+from engine.llama import Batch, Context
 
 BLOCK = 16
 SCRATCH = 3

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from gateway.config import CacheConfig, EngineConfig
-from gateway.llama import SamplerSettings
-from gateway.messages import GenerationRequest
+from engine.config import CacheConfig, EngineConfig
+from engine.messages import GenerationRequest, SamplerSettings
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.local_engine import LocalEngine

@@ -1,4 +1,4 @@
-from gateway.textstream import TextStream
+from engine.textstream import TextStream
 
 
 def feed(stream: TextStream, pieces: list[bytes]) -> str:

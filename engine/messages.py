@@ -17,10 +17,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# The cache index's answers to a worker's calls (IndexReply) are its own types, defined with it.
+from cache.index import Lease, StorePlan
 from cache.kv_codec import KVLayout
-from gateway.llama import SamplerSettings
 
 # ----- what a request asks for and what it gets ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    grammar: str | None = None  # GBNF the output must follow (structured outputs)
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,11 @@ class GenerationRequest:
     # its prefixes (in the pool and in live sequences) are shared with no other namespace.
     namespace: str = ""
     logprobs: int | None = None  # None: none; k: each chosen token's and the k likeliest
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine can take the request: stopping, dead, or none ready. An `Output` with
+    `unavailable` set carries it across (a 503 to the client)."""
 
 
 @dataclass(frozen=True)
@@ -97,29 +116,6 @@ class EngineSnapshot:
     shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
     computed_tokens: int = 0  # prompt tokens prefilled: neither shared nor loaded
     cache: CacheStats | None = None
-
-
-# ----- the cache index's answers ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Matched blocks, referenced for the worker until it sends ReleaseLease(lease_id)."""
-
-    lease_id: int
-    n_tokens: int
-    blocks: tuple[tuple[int, int], ...]  # (slot, tokens used); only the last may be partial
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    """Slots for the blocks of tokens[begin:end) the tree lacks, in block order. The worker
-    writes them and answers CommitStore(plan_id); until then they belong to the plan."""
-
-    plan_id: int
-    begin: int
-    end: int
-    slots: tuple[int, ...]
 
 
 # ----- gateway -> worker --------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from cache.arena import BlockArena
-from gateway.cache_index import CacheIndex
+from cache.index import CacheIndex
 
 log = logging.getLogger(__name__)
 

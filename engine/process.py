@@ -22,14 +22,15 @@ import numpy as np
 
 from cache.arena import BlockArena
 from cache.fingerprint import gguf_fingerprint
-from gateway.config import EngineConfig
-from gateway.engine import Engine, EngineUnavailable
-from gateway.llama import Model, openmp_build, runtime_version
-from gateway.messages import (
+from engine.batching import Engine
+from engine.config import EngineConfig
+from engine.llama import Model, openmp_build, runtime_version
+from engine.messages import (
     Attach,
     Cancel,
     CommitStore,
     EngineSnapshot,
+    EngineUnavailable,
     IndexReply,
     Lease,
     MatchCall,
@@ -89,7 +90,7 @@ class _Link:
 
 @dataclass(frozen=True)
 class RemoteIndex:
-    """The gateway's cache index, reached over the connection (see gateway.cache_index)."""
+    """The gateway's cache index, reached over the connection (see cache.index)."""
 
     link: _Link
 

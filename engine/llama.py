@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 
 import llama_cpp as lc
 import numpy as np
 
-from gateway.config import ContextShape
+from engine.config import ContextShape
+from engine.messages import SamplerSettings
 
 log = logging.getLogger(__name__)
 
@@ -260,19 +260,6 @@ class Batch:
 
     def close(self) -> None:
         lc.llama_batch_free(self.raw)
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    grammar: str | None = None  # GBNF the output must follow (structured outputs)
 
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])

@@ -30,9 +30,9 @@ from typing import Protocol
 import numpy as np
 
 from cache.arena import BlockArena
-from gateway.config import EngineConfig
-from gateway.kv_cells import CellLedger
-from gateway.llama import (
+from engine.config import EngineConfig
+from engine.kv_cells import CellLedger
+from engine.llama import (
     Batch,
     Candidates,
     Context,
@@ -41,15 +41,18 @@ from gateway.llama import (
     Model,
     Sampler,
 )
-from gateway.messages import EngineSnapshot, GenerationRequest, Output, TokenLogprob, Usage
-from gateway.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
-from gateway.textstream import TextStream
+from engine.messages import (
+    EngineSnapshot,
+    EngineUnavailable,
+    GenerationRequest,
+    Output,
+    TokenLogprob,
+    Usage,
+)
+from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
+from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
-
-
-class EngineUnavailable(RuntimeError):
-    pass
 
 
 class OutputSink(Protocol):

@@ -26,9 +26,28 @@ import xxhash
 from cache.arena import BlockArena
 from cache.block_pool import BlockPool
 from cache.radix_tree import Match, RadixTree
-from gateway.messages import Lease, StorePlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Matched blocks, referenced for the worker until it sends ReleaseLease(lease_id)."""
+
+    lease_id: int
+    n_tokens: int
+    blocks: tuple[tuple[int, int], ...]  # (slot, tokens used); only the last may be partial
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Slots for the blocks of tokens[begin:end) the tree lacks, in block order. The worker
+    writes them and answers CommitStore(plan_id); until then they belong to the plan."""
+
+    plan_id: int
+    begin: int
+    end: int
+    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -266,7 +285,7 @@ class CacheIndex:
 @dataclass(frozen=True)
 class IndexClient:
     """The index as one worker sees it: the calls a worker's PrefixCache makes, bound to its
-    owner id. A worker process reaches the same calls through `gateway.worker.RemoteIndex`."""
+    owner id. A worker process reaches the same calls through `engine.process.RemoteIndex`."""
 
     index: CacheIndex
     owner: int

@@ -5,7 +5,7 @@ A load asks the index for the matched blocks, assembles them into one blob and h
 only those positions and cuts them into the slots. With unified KV both go through a scratch
 sequence, so that a sequence can take blocks after the cells it already shares with another
 live sequence, and a store serialises just its range. The index itself lives in the gateway
-(gateway/cache_index.py): this side never allocates, frees or evicts a block.
+(cache/index.py): this side never allocates, frees or evicts a block.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from typing import Protocol
 import numpy as np
 
 from cache.arena import BlockArena
+from cache.index import Lease, StorePlan
 from cache.kv_codec import KVLayout, SequenceAssembler, SequenceState
-from gateway.config import CacheConfig
-from gateway.llama import Batch, Context, Model
-from gateway.messages import CacheStats, Lease, StorePlan
+from engine.config import CacheConfig
+from engine.llama import Batch, Context, Model
+from engine.messages import CacheStats
 
 log = logging.getLogger(__name__)
 
 
 class BlockIndex(Protocol):
-    """The cache index's calls a worker makes (gateway.cache_index.IndexClient in-process,
-    gateway.worker.RemoteIndex across processes)."""
+    """The cache index's calls a worker makes (cache.index.IndexClient in-process,
+    engine.process.RemoteIndex across processes)."""
 
     def match(self, tokens: np.ndarray, namespace: str) -> Lease: ...
     def release(self, lease_id: int) -> None: ...

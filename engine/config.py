@@ -1,0 +1,59 @@
+"""How an engine is configured, in a module that does not load llama.cpp (`--help` reads it
+without paying for that)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_TYPE_NAMES = ("f16", "q8_0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    budget_mb: int = 1024
+    block_size: int = 64
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    n_ctx: int  # KV cells of all sequences together
+    n_seq_max: int
+    n_batch: int  # tokens per llama_decode call, and per compute pass (n_ubatch)
+    n_threads: int
+    kv_type: str = "f16"
+    flash_attn: bool = False
+    unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
+    n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    parallel: int = 8  # sequences decoded together
+    ctx_size: int = 16384  # KV cells of all sequences together
+    # Tokens per llama_decode call: decodes first, prefill chunks after. 512 is llama-cpp-python's
+    # n_batch, so that a request alone is prefilled in the same chunks and gets the same logits.
+    batch_tokens: int = 512
+    threads: int = 2
+    kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
+    flash_attn: bool = True  # default mode only: the deterministic mode always uses it
+    deterministic: bool = False
+    cache: CacheConfig = CacheConfig()
+
+    def context_shape(self) -> ContextShape:
+        if self.deterministic:
+            # Q8_0 keeps every flash-attention call on the same row-by-row kernel whatever the
+            # batch, and a stream per sequence fills its cells in position order, as alone.
+            return ContextShape(n_ctx=self.ctx_size // self.parallel * self.parallel,
+                                n_seq_max=self.parallel, n_batch=self.batch_tokens,
+                                n_threads=self.threads, kv_type=self.kv_type or "q8_0",
+                                flash_attn=True, unified=False)
+        # F16 KV with flash attention, as llama-server runs on a CPU: a request alone gives the
+        # tokens of llama-cpp-python's flash_attn=True (without it, of its defaults). One more
+        # sequence id is the scratch used to move KV ranges. llama.cpp quantizes V only with
+        # flash attention: q8_0 KV brings it along.
+        kv_type = self.kv_type or "f16"
+        return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
+                            n_batch=self.batch_tokens, n_threads=self.threads,
+                            kv_type=kv_type, flash_attn=self.flash_attn or kv_type != "f16",
+                            unified=True)

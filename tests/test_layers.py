@@ -1,0 +1,118 @@
+"""The house by process: gateway/ (the HTTP process) over engine/ (the worker process) over
+cache/ (blocks, tokens and bytes), read from the source's imports: no import from a lower layer
+back up, no circle, aiohttp and llama.cpp each on one side only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("gateway", "engine", "cache")  # each may import only those after it
+PURE_PYTHON_HELPERS = ("llama_cpp.llama_chat_format", "llama_cpp.llama_grammar")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, *, runtime_only: bool = False) -> set[str]:
+    """Modules `path` imports; `runtime_only` leaves out what only type checkers see."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped |= {id(n) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def project_imports(path: Path, known: dict[str, Path], **kw) -> set[str]:
+    return {name for name in imports(path, **kw) if name in known}
+
+
+def test_no_import_from_a_lower_layer_back_up():
+    known = modules()
+    for name, path in known.items():
+        rank = LAYERS.index(name.split(".")[0])
+        for target in project_imports(path, known):
+            assert LAYERS.index(target.split(".")[0]) >= rank, f"{name} imports {target}"
+
+
+def test_no_import_circle():
+    known = modules()
+    graph = {name: project_imports(path, known) - {name} for name, path in known.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for target in graph[name]:
+            if state.get(target) == "open":
+                pytest.fail("import circle: " + " -> ".join([*trail, name, target]))
+            if target not in state:
+                visit(target, [*trail, name])
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+
+
+def test_http_and_llama_cpp_live_on_different_sides():
+    for name, path in modules().items():
+        found = imports(path)
+        if "aiohttp" in found:
+            assert name.startswith("gateway."), f"{name} imports aiohttp"
+        # The binding itself. The gateway takes only llama-cpp-python's pure-Python helpers:
+        # the Jinja chat-template renderer and the JSON-schema-to-grammar converter.
+        binding = {n for n in found if n.split(".")[0] == "llama_cpp" and n != "llama_cpp"
+                   and not n.startswith(PURE_PYTHON_HELPERS)}
+        if binding or "llama_cpp" in _plain_imports(path):
+            assert name == "engine.llama", f"{name} binds llama.cpp: engine/llama.py only"
+        if _calls(path, "llama_decode"):
+            assert name.startswith("engine."), f"{name} calls llama_decode"
+
+
+def _plain_imports(path: Path) -> set[str]:
+    return {alias.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Import) for alias in node.names}
+
+
+def _calls(path: Path, function: str) -> bool:
+    return any(isinstance(node, ast.Call) and function in (getattr(node.func, "attr", None),
+                                                           getattr(node.func, "id", None))
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_the_messages_between_processes_load_no_llama_cpp():
+    known = modules()
+    seen, todo = set(), ["engine.messages"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo += [t for t in project_imports(known[name], known, runtime_only=True)
+                 if t not in seen]
+        assert "llama_cpp" not in imports(known[name]), f"{name} (for engine.messages)"
+    assert "engine.llama" not in seen
+
+
+def test_no_folder_holds_a_worker_and_a_workers_module():
+    for package in LAYERS:
+        names = {p.name for p in (ROOT / package).glob("*.py")}
+        assert not {"worker.py", "workers.py"} <= names, package
