@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from cache.block_pool import BlockPool
+from cache.tokens import common_prefix
 
 # Given the token range [start, end) of a block the tree lacks, returns a slot holding its KV
 # with one reference, which the tree takes over, or None when there is none.
@@ -302,9 +303,7 @@ class RadixTree:
     def _longest_common(self, parent: Node, chunk: np.ndarray) -> tuple[Node | None, int]:
         best, best_len = None, 0
         for child in parent.children.get(int(chunk[0]), []):
-            n = min(len(child.tokens), len(chunk))
-            differs = np.flatnonzero(child.tokens[:n] != chunk[:n])
-            common = int(differs[0]) if len(differs) else n
+            common = common_prefix(child.tokens, chunk)
             if common > best_len:
                 best, best_len = child, common
         return best, best_len

@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from cache.arena import BlockArena
+from cache.tokens import common_prefix, reusable_prompt
 from engine.config import EngineConfig
 from engine.kv_cells import CellLedger
 from engine.llama import (
@@ -269,12 +270,11 @@ class Engine:
                 self._finish(seq, Output(error=f"could not start generation: {exc}"))
 
     def _reusable(self, seq: _Sequence) -> np.ndarray:
-        """The tokens whose KV may come from elsewhere. A new prompt keeps its last two tokens
-        to compute: llama.cpp's CPU matmuls take another kernel for a one-token batch (sgemm
-        serves two or more), so a one-token tail would round differently from the prompt
-        computed whole. A resumed request recomputes just its last token, as its decode did."""
+        """The tokens whose KV may come from elsewhere: for a new prompt, all but its computed
+        tail (cache.tokens); a resumed request recomputes just its last token, as its decode
+        did."""
         if seq.n_generated == 0:
-            return seq.prompt[:-2]
+            return reusable_prompt(seq.prompt)
         return np.asarray(seq.tokens[:-1], dtype=np.int32)
 
     def _cells_suffice(self, seq: _Sequence, live: int) -> bool:
@@ -326,7 +326,7 @@ class Engine:
         for other in self._running:
             if other.request.namespace != namespace:
                 continue
-            n = _common_prefix(tokens, other.kv_tokens())
+            n = common_prefix(tokens, other.kv_tokens())
             if n > best_len:
                 best, best_len = other, n
         return best, best_len
@@ -338,7 +338,7 @@ class Engine:
         for every waiting request at every step would cost a round trip each) can give."""
         if not self.cache:
             return False
-        pending = max((_common_prefix(tokens, other.prompt[:-1]) for other in self._running
+        pending = max((common_prefix(tokens, other.prompt[:-1]) for other in self._running
                        if other.n_generated == 0 and other.pending > 1
                        and other.request.namespace == namespace), default=0)
         have = max(live, min(pool_hint, pending))
@@ -469,12 +469,6 @@ class Engine:
             cache=dataclasses.replace(cache.stats) if cache else None)
         if self._on_publish:
             self._on_publish(self.snapshot)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differs = np.flatnonzero(a[:n] != b[:n])
-    return int(differs[0]) if len(differs) else n
 
 
 def _token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:

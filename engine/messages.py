@@ -13,7 +13,9 @@ applied before any later call of the same worker.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import numpy as np
 
@@ -198,3 +200,23 @@ class ReleaseLease:
 class CommitStore:
     plan_id: int
     written: bool  # False: the worker could not write the blocks; drop the plan
+
+
+# ----- the connection they travel on -------------------------------------------------------
+
+
+@dataclass
+class Channel:
+    """One end of a worker's connection. More than one thread sends on each end (a worker's
+    engine and main threads; the gateway's event loop and reader threads), so sends take a
+    lock: interleaved writes would corrupt the stream. Only one thread receives."""
+
+    conn: Connection
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def recv(self):
+        return self.conn.recv()

@@ -1,6 +1,6 @@
 """An engine worker process: one llama.cpp context, fed requests by the gateway.
 
-Started by the gateway (gateway/workers.py) with one end of a connection. It loads the model,
+Started by the gateway (gateway/supervisor.py) with one end of a connection. It loads the model,
 reports its KV layout (`Ready`), attaches to the arena the gateway names (`Attach`), then runs
 the engine thread while this process's main thread reads the connection. The outputs of a step
 leave together, in one message, when the engine publishes its snapshot; the cache index calls
@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -28,6 +27,7 @@ from engine.llama import Model, openmp_build, runtime_version
 from engine.messages import (
     Attach,
     Cancel,
+    Channel,
     CommitStore,
     EngineSnapshot,
     EngineUnavailable,
@@ -59,17 +59,14 @@ def kv_fingerprint(model_path: str, engine: Engine) -> str:
 
 @dataclass
 class _Link:
-    """The worker's end of the connection. Both threads send (the main thread only to refuse a
-    request), so sends take a lock: interleaved writes would corrupt the stream."""
+    """The worker's end of the connection, and the index calls waiting on it for replies."""
 
-    conn: Connection
+    channel: Channel
     replies: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     call_ids: itertools.count = field(default_factory=itertools.count)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, message) -> None:
-        with self.send_lock:
-            self.conn.send(message)
+        self.channel.send(message)
 
     def call(self, make) -> Lease | StorePlan:
         """Sends an index call and waits for its reply (queue.Empty after the timeout)."""
@@ -118,7 +115,7 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s worker-{worker_id} %(name)s: "
                                "%(message)s")
-    link = _Link(conn)
+    link = _Link(Channel(conn))
     outbox: list[tuple[int, Output]] = []
     last_sent: list[EngineSnapshot] = []
 
@@ -174,14 +171,14 @@ class _RemoteSink:
 def _serve(engine: Engine, link: _Link, outbox: list[tuple[int, Output]]) -> None:
     live: dict[int, _RemoteSink] = {}
     while True:
-        if not link.conn.poll(0.5):
+        if not link.channel.conn.poll(0.5):
             if engine.failure:  # the engine thread died and answered everyone: restart us
                 log.error("engine failed (%s); exiting for the gateway to restart this worker",
                           engine.failure)
                 return
             continue
         try:
-            message = link.conn.recv()
+            message = link.channel.recv()
         except (EOFError, OSError):  # the gateway is gone
             return
         if isinstance(message, Submit):

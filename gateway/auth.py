@@ -12,6 +12,7 @@ live sequences, unless `--shared-prefix-tenants` names them as one group.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,19 @@ class KeyFileError(ValueError):
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header, or None."""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether the header carries `key`, compared in constant time (no timing oracle)."""
+    given = bearer_key(authorization)
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,10 @@ class KeyRing:
     def identify(self, authorization: str | None) -> tuple[str, str] | None:
         """(the key's digest, its tenant) for a request's Authorization header, or None for a
         missing or wrong key."""
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer_key(authorization)
+        if key is None:
             return None
-        key_digest = digest(key.strip())
+        key_digest = digest(key)
         tenant = self.tenants.get(key_digest)
         return None if tenant is None else (key_digest, tenant)
 

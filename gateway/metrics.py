@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from engine.messages import Output
 
 if TYPE_CHECKING:
-    from gateway.workers import Workers, WorkerView
+    from gateway.supervisor import Workers, WorkerView
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -120,23 +120,24 @@ class _EngineCollector(Collector):
         yield from _per_worker(views)
         yield CounterMetricFamily("prefixgate_prompt_cache_key_requests",
                                   "Requests that carried a prompt_cache_key",
-                                  value=workers.cache_key_requests)
+                                  value=workers.affinity.requests)
         stats = [s.cache for s in snaps if s.cache is not None]
-        index = workers.index
-        if index is None:
+        pool = workers.pool
+        if pool is None:
             return
+        index = pool.index
 
         def cache_total(name: str) -> float:
             return sum(getattr(c, name) for c in stats)
 
         for name, field, help_text in _CACHE_COUNTERS:
             yield CounterMetricFamily(name, help_text, value=cache_total(field))
-        tier = workers.tier_stats()
+        tier = pool.tier_stats()
         hits = CounterMetricFamily("prefixgate_prefix_cache_tier_hits",
                                    "Prompt tokens served from each cache tier instead of computed",
                                    labels=["tier"])
-        hits.add_metric(["pool"], cache_total("hit_tokens"))
-        hits.add_metric(["redis"], tier.hit_tokens)
+        for name, n_tokens in workers.tier_hits().by_tier.items():
+            hits.add_metric([name], n_tokens)
         yield hits
         stores = CounterMetricFamily("prefixgate_prefix_cache_tier_stores",
                                      "KV blocks written to each cache tier", labels=["tier"])
@@ -171,7 +172,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
                                   "Requests whose blocks did not fit: every block was in use",
                                   value=snap.uncached_requests)
-        slot_bytes = workers.arena.header.slot_bytes if workers.arena else 0
+        slot_bytes = pool.arena.header.slot_bytes
         n_slots = snap.blocks_used + snap.blocks_free
         yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
                                 value=index.block_size)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cache.tokens import common_prefix
+
 POLICIES = ("cache-aware", "round-robin")
 
 
@@ -38,12 +40,7 @@ class WorkerLoad:
 
     def live_prefix(self, prompt: np.ndarray) -> int:
         """The longest prefix of `prompt` one of its requests holds or is computing."""
-        best = 0
-        for other in self.prompts:
-            n = min(len(other), len(prompt))
-            differs = np.flatnonzero(other[:n] != prompt[:n])
-            best = max(best, int(differs[0]) if len(differs) else n)
-        return best
+        return max((common_prefix(other, prompt) for other in self.prompts), default=0)
 
 
 class Router:

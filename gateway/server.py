@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import itertools
 import logging
 import signal
@@ -23,9 +22,10 @@ from aiohttp import web
 
 from engine.llama import Model
 from engine.messages import EngineUnavailable, Output, Usage
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, bearer_matches
 from gateway.config import Limits, WorkersConfig
 from gateway.errors import APIError, invalid
+from gateway.handles import GenerationHandle
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.protocol import (
@@ -37,8 +37,8 @@ from gateway.protocol import (
 )
 from gateway.ratelimit import RateLimiter, RateLimits
 from gateway.responses import ChatWriter, Choice, CompletionWriter, ResponseWriter
+from gateway.supervisor import Overloaded, Workers
 from gateway.tools import Toolbox
-from gateway.workers import GenerationHandle, Overloaded, Workers
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,14 @@ class Gateway:
 
     def cache_totals(self) -> tuple[int, int]:
         """(prompt tokens looked up, prompt tokens served by the cache) so far."""
-        stats = [v.snapshot.cache for v in self.workers.views() if v.snapshot.cache]
-        return (sum(s.queried_tokens for s in stats),
-                sum(s.hit_tokens for s in stats) + self.workers.tier_stats().hit_tokens)
+        hits = self.workers.tier_hits()
+        return hits.queried, hits.served
 
     def sample_history(self) -> None:
         """Called every HISTORY_STEP seconds: what the figures over the last minutes read."""
         now = time.monotonic()
-        index = self.workers.index.snapshot() if self.workers.index else None
+        pool = self.workers.pool
+        index = pool.index.snapshot() if pool else None
         self.history.append(HistorySample(
             now, time.time(), *self.cache_totals(), index.evictions if index else 0,
             self.metrics.ttft_seconds, self.metrics.ttft_count))
@@ -143,8 +143,8 @@ class Gateway:
             self.history.popleft()
 
     def cache_stats(self) -> dict:
-        index = self.workers.index.snapshot()
-        slot_bytes = self.workers.arena.header.slot_bytes
+        pool = self.workers.pool
+        index, slot_bytes = pool.index.snapshot(), pool.arena.header.slot_bytes
         snaps = [v.snapshot for v in self.workers.views()]
         now, (queried, hit) = time.monotonic(), self.cache_totals()
 
@@ -242,11 +242,10 @@ def _require_admin(request: web.Request) -> Gateway:
     key = gateway.config.admin_key
     if key is None:  # no admin API at all without a key
         raise web.HTTPNotFound()
-    if not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
-                               f"Bearer {key}".encode()):
+    if not bearer_matches(request.headers.get("Authorization"), key):
         raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
                        code="invalid_api_key")
-    if gateway.workers.index is None:
+    if gateway.workers.pool is None:
         raise APIError(404, "The prefix cache is off", code="cache_disabled")
     return gateway
 
@@ -262,7 +261,8 @@ async def cache_page(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/cache/prefixes")
 async def cached_prefixes(request: web.Request) -> web.Response:
     gateway = _require_admin(request)
-    index, slot_bytes = gateway.workers.index, gateway.workers.arena.header.slot_bytes
+    pool = gateway.workers.pool
+    index, slot_bytes = pool.index, pool.arena.header.slot_bytes
     rows = await asyncio.to_thread(index.prefixes, HOTTEST_PREFIXES)
     for row in rows:
         tokens = row.pop("tokens")
@@ -275,7 +275,7 @@ async def cached_prefixes(request: web.Request) -> web.Response:
 @routes.delete("/v1/cache/prefixes")
 async def drop_prefixes(request: web.Request) -> web.Response:
     gateway = _require_admin(request)
-    dropped = await asyncio.to_thread(gateway.workers.index.drop,
+    dropped = await asyncio.to_thread(gateway.workers.pool.index.drop,
                                       request.query.get("namespace"))
     return _json({"dropped_blocks": dropped})
 
@@ -346,16 +346,18 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
             raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
                                 f"reached; retry in {wait} s", code="rate_limit_exceeded",
                            headers={"Retry-After": str(wait)})
-    if gateway.workers.tier is not None:  # a local miss may be another replica's hit
-        await asyncio.to_thread(gateway.workers.fetch_from_tier, generation)
+    pool = gateway.workers.pool
+    if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
+        await asyncio.to_thread(pool.fetch_from_tier, generation)
     # Every choice samples with its own seed (seed + i when one is given, so results repeat);
     # they share the prompt's cells, computed once.
     seed = generation.sampler.seed
     generations = [dataclasses.replace(generation, sampler=dataclasses.replace(
         generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
     pinning = body.prompt_cache_retention == "24h"
+    pinning = pinning and pool is not None
     if pinning:  # what is cached already, now; the rest once it is stored
-        gateway.workers.pin(generation)
+        pool.pin(generation)
     try:
         handles = gateway.workers.submit_group(generations, body.prompt_cache_key)
     except Overloaded as exc:
@@ -379,7 +381,7 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
         if limiter is not None and key is not None:
             limiter.charge(key, sum(c.usage.completion_tokens for c in choices if c.usage))
         if pinning:
-            gateway.workers.pin(generation)
+            pool.pin(generation)
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
@@ -543,8 +545,7 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
 
 def _require_metrics_key(request: web.Request) -> None:
     key = request.app["gateway"].config.metrics_key
-    if key is not None and not hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+    if key is not None and not bearer_matches(request.headers.get("Authorization"), key):
         raise APIError(401, "This endpoint needs the metrics key (--metrics-key)",
                        code="invalid_api_key")
 

@@ -15,7 +15,7 @@ from engine.batching import Engine
 from engine.config import EngineConfig
 from engine.llama import Model
 from engine.messages import EngineSnapshot, GenerationRequest
-from gateway.workers import GenerationHandle
+from gateway.handles import GenerationHandle
 
 
 @dataclass

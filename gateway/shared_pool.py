@@ -1,0 +1,163 @@
+"""The gateway's side of the shared block pool: the arena, the cache index over it, the Redis
+tier and the snapshot on disk. Created when the first worker reports its KV layout; the workers
+move the bytes, this side alone decides which slots hold what."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cache import persistence
+from cache.arena import HEADER_BYTES, ArenaHeader, BlockArena, default_arena_path
+from cache.index import CacheIndex
+from cache.redis_tier import RedisTier, TierStats
+from cache.tokens import reusable_prompt
+from engine.messages import (
+    CommitStore,
+    GenerationRequest,
+    IndexReply,
+    MatchCall,
+    PlanStoreCall,
+    Ready,
+    ReleaseLease,
+)
+from gateway.config import WorkersConfig
+
+log = logging.getLogger(__name__)
+
+INDEX_CALLS = (MatchCall, PlanStoreCall, ReleaseLease, CommitStore)
+
+
+@dataclass(frozen=True)
+class TierHits:
+    """Prompt tokens looked up in the cache, and those each tier served instead of computing."""
+
+    queried: int
+    by_tier: dict[str, int]
+
+    @property
+    def served(self) -> int:
+        return sum(self.by_tier.values())
+
+
+class SharedPool:
+    def __init__(self, config: WorkersConfig, ready: Ready) -> None:
+        self.config = config
+        self.arena = _create_arena(config, ready)
+        header = self.arena.header
+        self.tier = (RedisTier(config.redis, ready.fingerprint, header.slot_bytes)
+                     if config.redis is not None else None)
+        budget = config.pin_budget_mb
+        self.index = CacheIndex(
+            header.n_slots, header.block_size,
+            on_stored=self._to_tier if self.tier else None,
+            pin_budget=None if budget is None else (budget << 20) // header.slot_bytes)
+        if config.cache_dir is not None:  # before any request can use the pool
+            persistence.load(config.cache_dir, self.index, self.arena)
+
+    # ----- a worker's index calls, answered on its reader thread -------------------------------
+
+    def answer(self, worker_id: int, message, reply) -> None:
+        """Answers one of INDEX_CALLS; `reply` sends to the worker that asked."""
+        index = self.index
+        if isinstance(message, MatchCall):
+            reply(IndexReply(message.call_id, index.match(worker_id, message.tokens,
+                                                          message.namespace)))
+        elif isinstance(message, PlanStoreCall):
+            reply(IndexReply(message.call_id, index.plan_store(
+                worker_id, message.tokens, message.namespace, message.final, message.hold)))
+        elif isinstance(message, ReleaseLease):
+            index.release(message.lease_id)
+        elif isinstance(message, CommitStore):
+            index.commit_store(message.plan_id, message.written)
+
+    # ----- requests ----------------------------------------------------------------------------
+
+    def cached_length(self, request: GenerationRequest) -> int:
+        return self.index.cached_length(np.asarray(request.prompt_tokens, dtype=np.int32),
+                                        request.namespace)
+
+    def pin(self, request: GenerationRequest) -> None:
+        """prompt_cache_retention "24h": the prompt's cached blocks outlive LRU for a while."""
+        self.index.pin(np.asarray(request.prompt_tokens, dtype=np.int32), request.namespace,
+                       time.time() + self.config.pin_hours * 3600)
+
+    def fetch_from_tier(self, request: GenerationRequest) -> None:
+        """On a local miss, adopts the prompt's following blocks from Redis into the pool (one
+        round trip, capped by --redis-timeout). Blocking: call it off the event loop. The tier
+        only ever saves work: whatever goes wrong here, the request computes instead."""
+        if self.tier is None:
+            return
+        try:
+            self._fetch_from_tier(request)
+        except Exception:
+            log.exception("adopting blocks from Redis failed; computing instead")
+
+    def _fetch_from_tier(self, request: GenerationRequest) -> None:
+        prompt = reusable_prompt(np.asarray(request.prompt_tokens, dtype=np.int32))
+        bs, namespace = self.index.block_size, request.namespace
+        have = self.index.cached_length(prompt, namespace)
+        first = have // bs
+        if len(prompt) - first * bs < bs:  # not a whole block to gain
+            return
+        keys = self.index.chain_keys(prompt, namespace)[first:]
+        chunks = [prompt[i: i + bs] for i in range(first * bs, len(prompt), bs)]
+        found = self.tier.fetch(keys, chunks)
+        if not found:
+            return
+
+        def block_bytes(start: int, _end: int) -> bytes | None:
+            i = start // bs - first
+            return found[i] if 0 <= i < len(found) else None
+
+        held = self.index.adopt(prompt[: first * bs + sum(len(c) for c in chunks[:len(found)])],
+                                namespace, block_bytes, self.arena)
+        self.tier.record_hit(max(0, held - have))
+
+    def _to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int) -> None:
+        self.tier.put(block_key, tokens, self.arena.block(slot))
+
+    # ----- what /metrics and the cache page read -----------------------------------------------
+
+    def tier_stats(self) -> TierStats:
+        return dataclasses.replace(self.tier.stats) if self.tier else TierStats()
+
+    def tier_hits(self, pool_queried: int, pool_hits: int) -> TierHits:
+        """The one place hits are added up across tiers (`pool_*`: the workers' own counts)."""
+        return TierHits(pool_queried, {"pool": pool_hits, "redis": self.tier_stats().hit_tokens})
+
+    # ----- the end -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """After the workers stopped (nothing writes the arena any more): the snapshot, if
+        asked for, then the tier and the arena."""
+        cache_dir: Path | None = self.config.cache_dir
+        if cache_dir is not None:
+            try:
+                n = persistence.save(cache_dir, self.index, self.arena)
+                log.info("saved %d cached blocks to %s", n, cache_dir)
+            except OSError:
+                log.exception("saving the prefix cache to %s failed", cache_dir)
+        if self.tier is not None:
+            self.tier.close()
+        self.arena.close()
+
+
+def _create_arena(config: WorkersConfig, ready: Ready) -> BlockArena:
+    cache = config.engine.cache
+    slot_bytes = ready.layout.block_bytes(cache.block_size)
+    n_slots = ((cache.budget_mb << 20) - HEADER_BYTES) // slot_bytes
+    if n_slots < 1:
+        raise ValueError(f"a cache budget of {cache.budget_mb} MiB holds no "
+                         f"{slot_bytes}-byte block")
+    arena = BlockArena.create(config.arena_path or default_arena_path(),
+                              ArenaHeader(ready.fingerprint, slot_bytes, n_slots,
+                                          cache.block_size))
+    log.info("prefix cache: %d blocks of %d tokens (%.1f MiB each) in %s", n_slots,
+             cache.block_size, slot_bytes / 2**20, arena.path)
+    return arena
