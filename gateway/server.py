@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from engine.llama import Model
-from engine.messages import EngineUnavailable, Output, Usage
+from engine.messages import EngineUnavailable, GenerationRequest, Output, Usage
 from gateway.auth import KeyRing, bearer_matches
 from gateway.config import Limits, WorkersConfig
 from gateway.errors import APIError, invalid
@@ -330,6 +330,7 @@ def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionReque
 
 async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt_tokens: list[int], writer: ResponseWriter) -> web.StreamResponse:
+    """request -> generation -> (rate limit, Redis tier, pin) -> worker -> answer."""
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
     generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
@@ -339,34 +340,14 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     if n > limits.max_n:
         raise invalid(f"n is {n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
-    limiter, key = gateway.rate_limiter, request["key"]
-    if limiter is not None and key is not None:
-        wait = limiter.admit(key, len(prompt_tokens))
-        if wait is not None:
-            raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
-                                f"reached; retry in {wait} s", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(wait)})
+    _admit_rate(gateway, request["key"], len(prompt_tokens))
     pool = gateway.workers.pool
     if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
         await asyncio.to_thread(pool.fetch_from_tier, generation)
-    # Every choice samples with its own seed (seed + i when one is given, so results repeat);
-    # they share the prompt's cells, computed once.
-    seed = generation.sampler.seed
-    generations = [dataclasses.replace(generation, sampler=dataclasses.replace(
-        generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
-    pinning = body.prompt_cache_retention == "24h"
-    pinning = pinning and pool is not None
+    pinning = pool is not None and body.prompt_cache_retention == "24h"
     if pinning:  # what is cached already, now; the rest once it is stored
         pool.pin(generation)
-    try:
-        handles = gateway.workers.submit_group(generations, body.prompt_cache_key)
-    except Overloaded as exc:
-        raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
-                       code="rate_limit_exceeded",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-    except EngineUnavailable as exc:
-        raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
-                       ) from None
+    handles = _submit(gateway, _choices(generation, n), body.prompt_cache_key)
     timer = gateway.metrics.request_timer()
     choices = [Choice() for _ in handles]
     try:
@@ -378,13 +359,50 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
-        if limiter is not None and key is not None:
-            limiter.charge(key, sum(c.usage.completion_tokens for c in choices if c.usage))
+        _charge_rate(gateway, request["key"], choices)
         if pinning:
             pool.pin(generation)
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+def _admit_rate(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
+    """A 429 with Retry-After once the key's rate limit is reached."""
+    if gateway.rate_limiter is None or key is None:
+        return
+    wait = gateway.rate_limiter.admit(key, prompt_tokens)
+    if wait is not None:
+        raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
+                            f"reached; retry in {wait} s", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(wait)})
+
+
+def _charge_rate(gateway: Gateway, key: str | None, choices: list[Choice]) -> None:
+    if gateway.rate_limiter is not None and key is not None:
+        gateway.rate_limiter.charge(key, sum(c.usage.completion_tokens for c in choices
+                                             if c.usage))
+
+
+def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One generation per choice, each sampling with its own seed (seed + i when one is
+    given, so results repeat); they share the prompt's cells, computed once."""
+    seed = generation.sampler.seed
+    return [dataclasses.replace(generation, sampler=dataclasses.replace(
+        generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
+
+
+def _submit(gateway: Gateway, generations: list[GenerationRequest],
+            cache_key: str | None) -> list[GenerationHandle]:
+    try:
+        return gateway.workers.submit_group(generations, cache_key)
+    except Overloaded as exc:
+        raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
+                       code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
+                       ) from None
 
 
 def _timed_out(seconds: float) -> APIError:
