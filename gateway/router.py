@@ -29,18 +29,21 @@ class RoutingConfig:
 
 @dataclass
 class WorkerLoad:
-    """One ready worker as the gateway sees it: the prompts of its requests in flight."""
+    """One ready worker as the gateway sees it: the prompts of all its requests in flight
+    (its load, whoever sent them), and of those a new request may share cells with (its own
+    namespace's: another tenant's would answer faster, a timing side channel)."""
 
     worker_id: int
     prompts: list[np.ndarray] = field(default_factory=list)
+    shareable: list[np.ndarray] = field(default_factory=list)
 
     @property
     def n_requests(self) -> int:
         return len(self.prompts)
 
     def live_prefix(self, prompt: np.ndarray) -> int:
-        """The longest prefix of `prompt` one of its requests holds or is computing."""
-        return max((common_prefix(other, prompt) for other in self.prompts), default=0)
+        """The longest prefix of `prompt` one of its shareable requests holds or computes."""
+        return max((common_prefix(other, prompt) for other in self.shareable), default=0)
 
 
 class Router:

@@ -181,8 +181,9 @@ class Workers:
             capacity = len(ready) * self.config.engine.parallel + self.config.max_queue
             if in_flight + len(requests) > capacity:
                 raise Overloaded(f"{in_flight} requests in flight, room for {capacity}")
-            loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()
-                                              if r.namespace == namespace]) for w in ready]
+            loads = [WorkerLoad(w.worker_id, [r.prompt for r in w.requests.values()],
+                                [r.prompt for r in w.requests.values()
+                                 if r.namespace == namespace]) for w in ready]
             chosen, reason = self.router.choose(prompt, loads, pool_cached)
             if cache_key is not None:
                 owner = next((w for w in loads if w.worker_id == self.affinity.owner(cache_key)),

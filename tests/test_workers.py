@@ -209,3 +209,30 @@ def test_a_dead_gateways_arena_is_swept_and_a_live_ones_is_kept(model_path):
     finally:
         live.stop()
     assert not live_path.exists()
+
+
+def test_another_tenants_requests_count_as_load(model_path, model_name, tmp_path):
+    """Tenant A's streams run on one worker; tenant B's request goes to the idle one. (Before,
+    each tenant saw only its own requests, so A's busy worker looked idle to B.)"""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    server = GatewayProcess(model_path, "--workers", "2", "--threads", "1", "--parallel", "4",
+                            "--ctx-size", "4096", "--api-keys-file", str(keys))
+    try:
+        wait_for_health(server, "ok")
+        tenant_a, tenant_b = (openai.OpenAI(base_url=server.base_url + "/v1", api_key=key,
+                                            max_retries=0) for key in ("key-a", "key-b"))
+        # Three choices of one request: routed together, to one worker.
+        stream = tenant_a.completions.create(
+            model=model_name, prompt=SYSTEM + "Tell a long story.", max_tokens=300, n=3,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        busy = next(w for w, n in server.per_worker(
+            "prefixgate_routing_decisions_total").items() if n == 1)
+        complete(tenant_b, model_name, "Name a bird.", max_tokens=4)
+        routed = server.per_worker("prefixgate_routing_decisions_total")
+        assert routed[busy] == 1 and sum(routed.values()) == 2
+        stream.close()
+        server.settled()
+    finally:
+        server.stop()
