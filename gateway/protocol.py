@@ -4,6 +4,7 @@ of range, or a feature we do not implement is a 400 that names the parameter, ne
 from __future__ import annotations
 
 import functools
+import re
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -78,6 +79,16 @@ class NamedFunction(_Strict):
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
+
+
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+
+
+def _require_schema_name(json_schema: dict | None) -> None:
+    name = json_schema.get("name") if isinstance(json_schema, dict) else None
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise invalid("response_format json_schema needs a `name` of letters, digits, "
+                      "underscores and dashes, at most 64", "response_format.json_schema.name")
 
 
 class ResponseFormat(_Strict):
@@ -227,6 +238,8 @@ class ChatCompletionRequest(_Sampling):
             return self.toolbox.grammar()
         if self.response_format is None:
             return None
+        if self.response_format.type == "json_schema":
+            _require_schema_name(self.response_format.json_schema)
         return grammar_for(self.response_format.type, self.response_format.json_schema)
 
 

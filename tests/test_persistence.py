@@ -3,6 +3,8 @@ verify is refused whole."""
 
 from __future__ import annotations
 
+import stat
+
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.test_prefix_cache import ask, system_chat
@@ -12,6 +14,7 @@ QUESTION = "When was the lighthouse built?"
 
 
 def test_a_restart_keeps_the_hot_prefixes(model_path, model_name, tmp_path):
+    tmp_path = tmp_path / "cache"  # made by the gateway
     # Without flash attention the warm answer equals the cold one token for token (see
     # tests/test_prefix_cache.py): restored blocks are compared by what they produce.
     args = ("--parallel", "2", "--ctx-size", "2048", "--no-flash-attn", "--cache-dir",
@@ -24,6 +27,10 @@ def test_a_restart_keeps_the_hot_prefixes(model_path, model_name, tmp_path):
         first.stop()  # SIGTERM: the blocks are written at shutdown
     snapshot = tmp_path / "prefix-cache.bin"
     assert snapshot.stat().st_size > 0
+    # Every tenant's prompt tokens are in it: owner-only, and no temporary file left behind.
+    assert stat.S_IMODE(snapshot.stat().st_mode) == 0o600
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+    assert [p.name for p in tmp_path.iterdir()] == ["prefix-cache.bin"]
     second = GatewayProcess(model_path, *args)
     try:
         warm, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))

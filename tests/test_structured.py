@@ -71,3 +71,16 @@ def test_a_keyword_that_cannot_be_enforced_is_a_400_naming_it(client, model_name
         structured(client, model_name, schema)
     assert f"'{keyword}'" in raised.value.body["message"]
     assert raised.value.body["param"] == "response_format.json_schema"
+
+
+@pytest.mark.parametrize("json_schema", [
+    {"schema": {"type": "object"}},  # OpenAI requires a name
+    {"name": "has spaces", "schema": {"type": "object"}},
+    {"name": "x" * 65, "schema": {"type": "object"}},
+])
+def test_a_json_schema_needs_a_name_as_openai_requires(client, model_name, json_schema):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+            response_format={"type": "json_schema", "json_schema": json_schema})
+    assert raised.value.body["param"] == "response_format.json_schema.name"
