@@ -120,7 +120,8 @@ class ChatWriter(ResponseWriter):
         the arguments, then the finish."""
         head = {"index": 0, "id": call.id, "type": "function",
                 "function": {"name": call.name, "arguments": ""}}
-        deltas = [{"role": "assistant", "content": None, "tool_calls": [head]},
+        # The role came with the stream's first chunk: once, as OpenAI sends it.
+        deltas = [{"content": None, "tool_calls": [head]},
                   {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]},
                   {}]
         return [self._envelope(self.chunk_object_name, [{

@@ -483,10 +483,9 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
                     if output.last:
                         await _finish_tool_choice(response, writer, toolbox, choices[i], i,
                                                   output, include_usage)
-                elif output.text or output.finish_reason:
-                    await _event(response, writer.chunk(output.text, output.finish_reason,
-                                                        with_usage_field=include_usage,
-                                                        logprobs=output.logprobs, index=i))
+                else:
+                    await _text_then_finish(response, writer, output.text, output.finish_reason,
+                                            output.logprobs, i, include_usage)
             else:
                 if include_usage:
                     await _event(response, writer.usage_chunk(_total_usage(choices)))
@@ -505,9 +504,21 @@ async def _finish_tool_choice(response: web.StreamResponse, writer: ChatWriter,
         for chunk in writer.tool_call_chunks(call, index):
             await _event(response, chunk)
         return
-    await _event(response, writer.chunk(choice.text, output.finish_reason, index=index,
-                                        with_usage_field=include_usage,
-                                        logprobs=choice.logprobs))
+    await _text_then_finish(response, writer, choice.text, output.finish_reason,
+                            choice.logprobs, index, include_usage)
+
+
+async def _text_then_finish(response: web.StreamResponse, writer: ResponseWriter, text: str,
+                            finish_reason: str | None, logprobs, index: int,
+                            include_usage: bool) -> None:
+    """As OpenAI streams: the text, then a chunk of its own with the finish_reason and an empty
+    delta (clients that key on that chunk still see every token)."""
+    if text:
+        await _event(response, writer.chunk(text, with_usage_field=include_usage,
+                                            logprobs=logprobs, index=index))
+    if finish_reason:
+        await _event(response, writer.chunk("", finish_reason, with_usage_field=include_usage,
+                                            index=index))
 
 
 def _generation_error(output: Output) -> APIError:

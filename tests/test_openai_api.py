@@ -32,11 +32,22 @@ def test_chat_streaming_with_usage(client, model_name):
     assert {c.id for c in chunks} == {chunks[0].id}
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # As OpenAI streams: the last text, then a chunk of its own with an empty delta and the
+    # finish_reason, so that clients keying on that chunk still see every token.
     assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-2].choices[0].delta.content is None
+    assert chunks[-3].choices[0].finish_reason is None and chunks[-3].choices[0].delta.content
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     whole = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=12,
                                            temperature=0)
     assert text == whole.choices[0].message.content
+
+
+def test_streamed_completion_ends_with_a_finish_chunk_of_its_own(client, model_name):
+    chunks = list(client.completions.create(model=model_name, prompt="Once upon a time",
+                                            max_tokens=6, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text == ""
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
 def test_streaming_without_usage_sends_none(client, model_name):

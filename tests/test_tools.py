@@ -47,10 +47,13 @@ def test_a_forced_call_validates_whole(client, model_name, choice):
 
 def test_a_streamed_call_assembles_with_the_sdks_accumulator(client, model_name):
     state = ChatCompletionStreamState(input_tools=[WEATHER])
+    roles = []
     for chunk in client.chat.completions.create(model=model_name, messages=ASK,
                                                 tools=[WEATHER], tool_choice=NAMED,
                                                 max_tokens=120, temperature=0, stream=True):
         state.handle_chunk(chunk)
+        roles += [c.delta.role for c in chunk.choices if c.delta.role]
+    assert roles == ["assistant"]  # once, as OpenAI sends it
     final = state.get_final_completion()
     assert final.choices[0].finish_reason == "tool_calls"
     (call,) = final.choices[0].message.tool_calls
