@@ -117,7 +117,10 @@ def _security_and_limits(p: argparse._ArgumentGroup) -> None:
                    help="a bearer key for the cache admin API (/v1/cache/*); without it there "
                         "is none")
     p.add_argument("--metrics-key", default=None,
-                   help="a bearer key /metrics and /debug/* then require")
+                   help="a bearer key /metrics then requires")
+    p.add_argument("--debug-key", default=None,
+                   help="a bearer key for /debug/consistency (a walk of the whole cache "
+                        "index under its lock); without it there is no /debug/*")
     p.add_argument("--rate-limit-rpm", type=int, default=0,
                    help="requests per minute each API key may make (0: no limit)")
     p.add_argument("--rate-limit-tpm", type=int, default=0,
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         drain_seconds=args.drain_seconds,
         keys=keys,
         metrics_key=args.metrics_key,
+        debug_key=args.debug_key or None,
         admin_key=args.admin_key,
         limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                       request_timeout=args.request_timeout or None, max_n=args.max_n),

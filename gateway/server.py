@@ -59,7 +59,8 @@ class ServerConfig:
     drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
     keys: KeyRing | None = None  # None: open to anyone who can reach it
     admin_key: str | None = None  # the cache admin API (/v1/cache/*); None: no admin API
-    metrics_key: str | None = None  # guards /metrics and /debug/*
+    metrics_key: str | None = None  # guards /metrics
+    debug_key: str | None = None  # turns /debug/* on, behind it
     limits: Limits = Limits()
     chat_template: str | None = None  # instead of the GGUF's own
     log_prompts: bool = False
@@ -208,8 +209,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 @routes.get("/debug/consistency")
 async def consistency(request: web.Request) -> web.Response:
-    """Tree, pool, leases and workers against each other (see Workers.problems)."""
-    _require_metrics_key(request)
+    """Tree, pool, leases and workers against each other (see Workers.problems). It walks the
+    whole tree under the index's lock: an operator's tool, off without --debug-key."""
+    _require_debug_key(request)
     problems = await asyncio.to_thread(request.app["gateway"].workers.problems)
     return _json({"ok": not problems, "problems": problems})
 
@@ -570,6 +572,15 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
         request["key"], request["tenant"] = identity
         request["namespace"] = keys.namespace(request["tenant"])
     return await handler(request)
+
+
+def _require_debug_key(request: web.Request) -> None:
+    key = request.app["gateway"].config.debug_key
+    if key is None:
+        raise web.HTTPNotFound()
+    if not bearer_matches(request.headers.get("Authorization"), key):
+        raise APIError(401, "This endpoint needs the debug key (--debug-key)",
+                       code="invalid_api_key")
 
 
 def _require_metrics_key(request: web.Request) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -73,6 +74,10 @@ class GatewayProcess(ServerProcess):
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None
+        # The consistency check ends every fault test: each gateway started here has it on.
+        if "--debug-key" not in args:
+            args = (*args, "--debug-key", secrets.token_hex(16))
+        self.debug_key = args[args.index("--debug-key") + 1]
         super().__init__([sys.executable, "-m", "gateway", "--model", str(model_path),
                           "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
@@ -96,7 +101,7 @@ class GatewayProcess(ServerProcess):
     def consistency(self) -> dict:
         """/debug/consistency: {"ok", "problems"}."""
         request = urllib.request.Request(self.base_url + "/debug/consistency", headers={
-            "Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {})
+            "Authorization": f"Bearer {self.debug_key}"})
         with urllib.request.urlopen(request, timeout=30) as r:
             return json.loads(r.read())
 

@@ -71,13 +71,30 @@ def test_a_missing_or_wrong_key_is_a_401_in_openai_shape(keyed_gateway, model_na
     assert keyed_gateway.health()[0] == 200  # /health stays open
 
 
-def test_metrics_and_debug_need_the_metrics_key(keyed_gateway):
+def test_metrics_need_the_metrics_key_and_debug_its_own(keyed_gateway):
     for path in ("/metrics", "/debug/consistency"):
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(keyed_gateway.base_url + path, timeout=5)
         assert raised.value.code == 401
+    request = urllib.request.Request(keyed_gateway.base_url + "/debug/consistency", headers={
+        "Authorization": f"Bearer {METRICS_KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as raised:  # the metrics key is not enough
+        urllib.request.urlopen(request, timeout=5)
+    assert raised.value.code == 401
     assert keyed_gateway.metrics()["prefixgate_kv_cells_total"] > 0  # sent with the key
-    assert keyed_gateway.consistency()["ok"]
+    assert keyed_gateway.consistency()["ok"]  # sent with the debug key
+
+
+def test_debug_is_off_without_its_key(model_path):
+    server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "512",
+                            "--debug-key", "")
+    try:
+        server.debug_key = "anything"
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            server.consistency()
+        assert raised.value.code == 404
+    finally:
+        server.stop()
 
 
 def test_a_tenant_never_hits_another_tenants_prefix(keyed_gateway, model_name):
