@@ -127,9 +127,12 @@ class SharedPool:
     def tier_stats(self) -> TierStats:
         return dataclasses.replace(self.tier.stats) if self.tier else TierStats()
 
-    def tier_hits(self, pool_queried: int, pool_hits: int) -> TierHits:
-        """The one place hits are added up across tiers (`pool_*`: the workers' own counts)."""
-        return TierHits(pool_queried, {"pool": pool_hits, "redis": self.tier_stats().hit_tokens})
+    def tier_hits(self, queried: int, loaded: int) -> TierHits:
+        """The one place hits are added up across tiers. Workers count what they `loaded` from
+        the pool; blocks adopted from Redis reach them through the pool too, so those tokens
+        are Redis's hits, and the pool's own are the rest (each token counted once)."""
+        from_redis = min(self.tier_stats().hit_tokens, loaded)
+        return TierHits(queried, {"pool": loaded - from_redis, "redis": from_redis})
 
     # ----- the end -----------------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ def test_a_prefix_one_gateway_computed_is_loaded_by_another(redis_url, model_pat
         assert usage.prompt_tokens_details.cached_tokens > 100
         assert again == text  # deterministic mode: exact
         assert tier(second, "hits")["redis"] == usage.prompt_tokens_details.cached_tokens
+        # Counted once: Redis's tokens reached the worker through the pool, not as pool hits.
+        assert tier(second, "hits")["pool"] == 0
         second.settled()
     finally:
         first.stop()
