@@ -118,6 +118,9 @@ def _security_and_limits(p: argparse._ArgumentGroup) -> None:
                         "is none")
     p.add_argument("--metrics-key", default=None,
                    help="a bearer key /metrics then requires")
+    p.add_argument("--cors-allow-origin", default=None,
+                   help="answer browsers from this origin (or * for any): preflights and "
+                        "Access-Control-Allow-Origin; off by default")
     p.add_argument("--debug-key", default=None,
                    help="a bearer key for /debug/consistency (a walk of the whole cache "
                         "index under its lock); without it there is no /debug/*")
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         keys=keys,
         metrics_key=args.metrics_key,
         debug_key=args.debug_key or None,
+        cors_origin=args.cors_allow_origin or None,
         admin_key=args.admin_key,
         limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                       request_timeout=args.request_timeout or None, max_n=args.max_n),

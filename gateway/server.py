@@ -22,6 +22,7 @@ from aiohttp import web
 
 from engine.llama import Model
 from engine.messages import EngineUnavailable, GenerationRequest, Output, Usage
+from gateway import cors
 from gateway.auth import KeyRing, bearer_matches
 from gateway.config import Limits, WorkersConfig
 from gateway.errors import APIError, invalid
@@ -61,6 +62,7 @@ class ServerConfig:
     admin_key: str | None = None  # the cache admin API (/v1/cache/*); None: no admin API
     metrics_key: str | None = None  # guards /metrics
     debug_key: str | None = None  # turns /debug/* on, behind it
+    cors_origin: str | None = None  # None: no CORS headers, browsers on other origins refused
     limits: Limits = Limits()
     chat_template: str | None = None  # instead of the GGUF's own
     log_prompts: bool = False
@@ -595,6 +597,8 @@ def build_app(gateway: Gateway) -> web.Application:
                           client_max_size=gateway.config.limits.max_body_bytes)
     app["gateway"] = gateway
     app.add_routes(routes)
+    if gateway.config.cors_origin:
+        cors.allow_origin(app, gateway.config.cors_origin)
     return app
 
 

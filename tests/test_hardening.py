@@ -263,3 +263,39 @@ def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name,
             by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
     finally:
         server.stop()
+
+
+def test_cors_is_off_by_default_and_answers_its_origin_when_on(gateway, model_path, tmp_path):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+
+    def options(server: GatewayProcess):
+        request = urllib.request.Request(server.base_url + "/v1/chat/completions",
+                                         method="OPTIONS", headers=preflight)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                return r.status, r.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers
+
+    status, headers = options(gateway)
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    keys = tmp_path / "keys"
+    keys.write_text("key-x tenant-x\n")
+    server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "512",
+                            "--cors-allow-origin", "https://app.example", "--api-keys-file",
+                            str(keys))
+    try:
+        status, headers = options(server)  # no key: browsers send none with a preflight
+        assert status == 204
+        assert headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "Authorization" in headers["Access-Control-Allow-Headers"]
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the API itself still needs one
+            urllib.request.urlopen(urllib.request.Request(
+                server.base_url + "/v1/models", headers={"Origin": "https://app.example"}),
+                timeout=5)
+        assert refused.value.code == 401
+        assert refused.value.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        server.stop()
