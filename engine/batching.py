@@ -75,7 +75,7 @@ class _Sequence:
     tokens: list[int]  # prompt, then generated; the last one's KV is computed at the next step
     pool_hint: int = 0  # prompt tokens the pool held when the request arrived
     slot: int = -1
-    admitted: int = 0  # admission order: preemption takes the newest
+    admitted: int = 0  # admission order (0: never admitted): preemption takes the newest
     n_past: int = 0  # positions whose KV the sequence holds
     cached: int = 0  # prompt tokens taken from the pool or a live sequence, not computed
     sampler: Sampler | None = None
@@ -288,21 +288,23 @@ class Engine:
                                   logit_bias=request.logit_bias,
                                   ban_eog=request.ignore_eos or request.min_tokens > 0)
             seq.text = TextStream(seq.request.stop)
+        # Only what came from elsewhere before the request first computed counts as cached or
+        # shared: a request resumed after preemption reloads what it computed itself.
+        first = seq.admitted == 0
         seq.slot = self._free_slots.pop()
         seq.admitted = next(self._admissions)
         self._running.append(seq)
-        resumed = seq.n_generated > 0
         if donor is not None:
             self.ctx.share(donor.slot, seq.slot, 0, live)
             self.cells.share(donor.slot, seq.slot, live)
             seq.n_past = live
-            self._shared_tokens += 0 if resumed else live
+            self._shared_tokens += live if first else 0
         if self.cache:
-            self._load_cached(seq)
-        if not resumed:
+            self._load_cached(seq, first)
+        if first:
             seq.cached = seq.n_past
 
-    def _load_cached(self, seq: _Sequence) -> None:
+    def _load_cached(self, seq: _Sequence, first: bool) -> None:
         try:
             n = self.cache.load(self._reusable(seq), seq.request.namespace, seq.slot,
                                 have=seq.n_past)
@@ -311,7 +313,7 @@ class Engine:
             return
         finally:
             self._drop_holds(seq)
-        if seq.n_generated == 0:
+        if first:
             self.cache.stats.queried_tokens += len(seq.prompt)
             self.cache.stats.hit_tokens += n - seq.n_past
         self.cells.add(seq.slot, n - seq.n_past)

@@ -290,6 +290,10 @@ class Candidates:
     def selected(self) -> int:
         return self.raw.data[self.raw.selected].id
 
+    def none_allowed(self) -> bool:
+        """Every candidate masked out (-inf), as a grammar and a ban can leave them."""
+        return bool(np.isneginf(self._data["logit"][: self.raw.size]).all())
+
 
 class Sampler:
     """A llama.cpp sampler chain for one request, with its grammar kept apart as llama-server
@@ -301,6 +305,7 @@ class Sampler:
                  logit_bias: dict[int, float] | None = None, ban_eog: bool = False) -> None:
         s, n_vocab = settings, model.n_vocab
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        self._end = model.eos_token if model.eos_token >= 0 else int(model.eog_tokens[0])
         self.grammar: lc.llama_sampler_p | None = None
         self.eog_ban: lc.llama_sampler_p | None = None
         if s.grammar is not None:
@@ -339,18 +344,25 @@ class Sampler:
         token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=False)
         if self.grammar is not None and not self._grammar_allows(token):
             token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=True)
+            if token is None:
+                # The grammar allows nothing but its end (ignore_eos, min_tokens): the output
+                # is complete, so it ends. Accepting any other token would break the grammar.
+                return self._end
         lc.llama_sampler_accept(self.ptr, token)
         if self.grammar is not None:
             lc.llama_sampler_accept(self.grammar, token)
         return token
 
     def _pick(self, ctx: Context, batch_index: int, candidates: Candidates, allow_eog: bool,
-              with_grammar: bool) -> int:
+              with_grammar: bool) -> int | None:
+        """The chain's choice; None when the grammar and the ban leave no token at all."""
         candidates.fill(ctx.logits(batch_index))
         if not allow_eog and self.eog_ban is not None:
             lc.llama_sampler_apply(self.eog_ban, candidates.ref)
         if with_grammar:
             lc.llama_sampler_apply(self.grammar, candidates.ref)
+            if candidates.none_allowed():
+                return None
         lc.llama_sampler_apply(self.ptr, candidates.ref)
         return candidates.selected
 

@@ -97,3 +97,36 @@ def test_preemption_through_the_server(model_path, model_name):
         assert metrics["prefixgate_kv_pool_blocks_held"] == 0
     finally:
         server.stop()
+
+
+def test_a_request_preempted_while_prefilling_reports_nothing_cached(local_model):
+    """B's prompt cannot finish prefilling beside A: B is preempted mid-prompt, stores what it
+    computed, and later reloads it. That is its own work: cached_tokens stays 0, and the cache
+    counts each prompt's lookup once. (Before, B reported its own blocks as cached.)"""
+    local = LocalEngine.start(local_model, EngineConfig(
+        parallel=2, ctx_size=512, batch_tokens=64, cache=CacheConfig(budget_mb=64,
+                                                                     block_size=16)))
+    short = _prompt(local_model, "rivers")[:50]
+    long = local_model.tokenize("Glaciers carve valleys over thousands of years. " * 60,
+                                add_special=True, parse_special=False)[:470]
+    assert len(long) == 470  # with A's 50, more than the 512 cells
+
+    async def generate(prompt, max_tokens):
+        handle = local.submit(GenerationRequest(prompt, max_tokens=max_tokens, ignore_eos=True,
+                                                sampler=SamplerSettings(temperature=0.0)))
+        return [output async for output in handle.outputs()][-1]
+
+    async def both():
+        return await asyncio.gather(generate(short, 60), generate(long, 4))
+
+    try:
+        first, second = asyncio.run(both())
+        snap = local.settled()
+        assert snap.preemptions > 0
+        assert first.error is None and second.error is None
+        assert second.usage.cached_tokens == 0 and first.usage.cached_tokens == 0
+        assert snap.cache.queried_tokens == len(short) + len(long)
+        assert snap.cache.hit_tokens == 0
+        local.assert_released()
+    finally:
+        local.stop()

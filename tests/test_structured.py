@@ -84,3 +84,25 @@ def test_a_json_schema_needs_a_name_as_openai_requires(client, model_name, json_
             model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
             response_format={"type": "json_schema", "json_schema": json_schema})
     assert raised.value.body["param"] == "response_format.json_schema.name"
+
+
+@pytest.mark.parametrize("ending", [{"ignore_eos": True}, {"min_tokens": 200}])
+def test_a_finished_grammar_ends_the_request_even_when_the_end_is_suppressed(
+        client, gateway, model_name, ending):
+    """Once the JSON is complete the grammar allows only the end, which ignore_eos and
+    min_tokens suppress: the request ends there, with valid JSON, and the worker serves on.
+    (Before, the sampler took an arbitrary token the grammar could not accept.)"""
+    restarts = [w["restarts"] for w in gateway.health()[1]["workers"]]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=300, temperature=1.0, seed=seed,
+            messages=[{"role": "user", "content": "Give me a small JSON object."}],
+            response_format={"type": "json_object"}, extra_body=ending)
+        choice = r.choices[0]
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:  # the sampled object was still open at the length limit
+            assert choice.finish_reason == "length" and r.usage.completion_tokens == 300
+    assert [w["restarts"] for w in gateway.health()[1]["workers"]] == restarts
+    assert gateway.health()[1]["status"] == "ok"
+    gateway.settled()
