@@ -55,6 +55,12 @@ from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
 
+# A step costs about its token count, plus a fixed part (the weights are read once per step).
+# So prompts are computed one after another rather than side by side: the first gets its first
+# token as soon as it alone is computed, at the same total. Only short ones are packed together,
+# where the fixed part would dominate.
+PACK_PROMPTS_BELOW = 64
+
 
 class OutputSink(Protocol):
     """Where a request's outputs go: an asyncio queue in-process, a worker's outbox otherwise.
@@ -351,7 +357,8 @@ class Engine:
 
     def _plan_batch(self) -> list[tuple[_Sequence, int, int | None]]:
         """Fills the batch: one token for every generating sequence, then prompt chunks in
-        arrival order while the token budget and the free cells last. Returns (sequence, tokens
+        arrival order while the token budget and the free cells last, and only while the
+        step's prompt tokens are fewer than PACK_PROMPTS_BELOW. Returns (sequence, tokens
         added, batch index of its logits or None)."""
         decoding = [seq for seq in self._running if seq.pending == 1]
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
@@ -361,13 +368,15 @@ class Engine:
         budget = self._batch.capacity - len(plan)
         if self.unified:
             budget = min(budget, self.cells.free - len(plan))
+        prompt_tokens = 0
         for seq in self._running:
-            if budget <= 0:
+            if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
                 break
             if seq.pending > 1:
                 chunk = seq.tokens[seq.n_past: seq.n_past + budget]
                 plan.append((seq, chunk))
                 budget -= len(chunk)
+                prompt_tokens += len(chunk)
         # In sequence-id order: llama.cpp splits a batch whose sequences are out of order into
         # many small compute passes (8 decodes took twice as long in reverse order).
         plan.sort(key=lambda entry: entry[0].slot)

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import signal
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -50,6 +51,22 @@ log = logging.getLogger(__name__)
 # How long a worker waits for the gateway to answer an index call before giving up on the cache
 # for that load or store (the gateway answers from a reader thread, in well under a second).
 INDEX_CALL_TIMEOUT = 30.0
+PUBLISH_EVERY = 0.1  # seconds between snapshots of a busy engine
+
+
+def _worth_publishing(snapshot: EngineSnapshot,
+                      last: tuple[float, EngineSnapshot] | None) -> bool:
+    """A busy engine's cells and counters change every step; /metrics needs them a few times a
+    second, while each message costs both processes CPU the decoding threads would use. Requests
+    starting or ending, and every change once idle, go out at once: tests and operators read
+    the idle state exactly."""
+    if last is None:
+        return True
+    sent_at, sent = last
+    if snapshot == sent:
+        return False
+    return (not snapshot.running or (snapshot.running, snapshot.waiting)
+            != (sent.running, sent.waiting) or time.monotonic() - sent_at >= PUBLISH_EVERY)
 
 
 def kv_fingerprint(model_path: str, engine: Engine) -> str:
@@ -117,15 +134,15 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
                                "%(message)s")
     link = _Link(Channel(conn))
     outbox: list[tuple[int, Output]] = []
-    last_sent: list[EngineSnapshot] = []
+    last_sent: list[tuple[float, EngineSnapshot]] = []
 
     def publish(snapshot: EngineSnapshot) -> None:  # on the engine thread, after every step
         if outbox:
             items = tuple(outbox)
             outbox.clear()
             link.send(Outputs(items))
-        if not last_sent or last_sent[0] != snapshot:
-            last_sent[:] = [snapshot]
+        if _worth_publishing(snapshot, last_sent[0] if last_sent else None):
+            last_sent[:] = [(time.monotonic(), snapshot)]
             link.send(Published(snapshot))
 
     if openmp_build():
