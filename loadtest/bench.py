@@ -164,18 +164,20 @@ class RunningServer(ServerProcess):
             raise
 
     def sample_rss(self) -> None:
-        """Resident memory of the server and its children (prefixgate's engine workers)."""
+        """Memory of the server and its children (prefixgate's engine workers): the sum of
+        their proportional set sizes, so that pages they share (the block arena, mapped by the
+        gateway and every worker) count once, as in a single process."""
         rss, pids = 0, [self.proc.pid]
         while pids:
             pid = pids.pop()
             try:
-                status = Path(f"/proc/{pid}/status").read_text()
-                pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children")
-                         .read_text().split()]
+                rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+                for task in Path(f"/proc/{pid}/task").iterdir():  # a child's parent is a thread
+                    pids += [int(c) for c in (task / "children").read_text().split()]
             except OSError:
                 continue
-            rss += next(int(line.split()[1]) * 1024 for line in status.splitlines()
-                        if line.startswith("VmRSS:"))
+            rss += next(int(line.split()[1]) * 1024 for line in rollup.splitlines()
+                        if line.startswith("Pss:"))
         self.peak_rss = max(self.peak_rss, rss)
 
 

@@ -102,7 +102,8 @@ def targets(results: dict) -> list[Target]:
 
 
 def memory_line(results: dict, ours: str) -> str | None:
-    """Peak resident memory (the server and its children) against llama-server's: <= 1x."""
+    """Peak memory (proportional set size of the server and its children) against
+    llama-server's: <= 1x."""
     systems = results["systems"]
     a, b = (systems.get(s, {}).get("peak_rss_bytes") for s in (ours, BASELINE))
     if not a or not b:
@@ -211,7 +212,7 @@ def write_report(results: dict, out: Path, plots: bool = True) -> str:
             lines.append(f"- **{name}**: not measured: {info['missing']}")
         else:
             cells = f", {info['kv_cells']} KV cells in all" if info.get("kv_cells") else ""
-            lines.append(f"- **{name}**: peak resident memory "
+            lines.append(f"- **{name}**: peak memory (PSS) "
                          f"{info.get('peak_rss_bytes', 0) / 2**20:.0f} MiB{cells}")
     lines += ["", *_ratios(results), ""]
     for section in (_prefill(results), _streams(results)):
