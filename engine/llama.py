@@ -262,6 +262,9 @@ class Batch:
         lc.llama_batch_free(self.raw)
 
 
+# How far down the likeliest tokens a greedy pick looks for one the grammar allows before it
+# masks the whole vocabulary (a few ms for this model's 49k tokens).
+GREEDY_SEARCH = 256
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -290,9 +293,15 @@ class Candidates:
     def selected(self) -> int:
         return self.raw.data[self.raw.selected].id
 
+    def ids(self) -> np.ndarray:
+        return self._data["id"][: self.raw.size]
+
+    def logits(self) -> np.ndarray:
+        return self._data["logit"][: self.raw.size]
+
     def none_allowed(self) -> bool:
         """Every candidate masked out (-inf), as a grammar and a ban can leave them."""
-        return bool(np.isneginf(self._data["logit"][: self.raw.size]).all())
+        return bool(np.isneginf(self.logits()).all())
 
 
 class Sampler:
@@ -323,7 +332,8 @@ class Sampler:
             self._add(lc.llama_sampler_init_penalties(
                 n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty,
                 s.presence_penalty))
-        if s.temperature <= 0.0:
+        self.greedy = s.temperature <= 0.0
+        if self.greedy:
             self._add(lc.llama_sampler_init_greedy())
             return
         if s.top_k > 0:
@@ -343,7 +353,9 @@ class Sampler:
                allow_eog: bool = True) -> int:
         token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=False)
         if self.grammar is not None and not self._grammar_allows(token):
-            token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=True)
+            token = self._best_allowed(candidates) if self.greedy else None
+            if token is None:
+                token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=True)
             if token is None:
                 # The grammar allows nothing but its end (ignore_eos, min_tokens): the output
                 # is complete, so it ends. Accepting any other token would break the grammar.
@@ -365,6 +377,21 @@ class Sampler:
                 return None
         lc.llama_sampler_apply(self.ptr, candidates.ref)
         return candidates.selected
+
+    def _best_allowed(self, candidates: Candidates) -> int | None:
+        """Greedy: the likeliest token the grammar allows among the GREEDY_SEARCH likeliest,
+        checked one by one; None if none is. The candidates hold the chain's logits (bias and
+        penalties applied), and those act on each token alone, so this is the token a full
+        grammar pass and then the chain would choose, ties going to the lower id as there."""
+        ids, logits = candidates.ids(), candidates.logits()
+        n = min(GREEDY_SEARCH, len(logits))
+        top = np.argpartition(-logits, n - 1)[:n]
+        for i in top[np.lexsort((ids[top], -logits[top]))]:
+            if logits[i] == -np.inf:
+                return None
+            if self._grammar_allows(int(ids[i])):
+                return int(ids[i])
+        return None
 
     def _grammar_allows(self, token: int) -> bool:
         one = lc.llama_token_data(token, 1.0, 0.0)
