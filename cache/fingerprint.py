@@ -1,10 +1,12 @@
 """What identifies the model whose KV a block holds.
 
-KV bytes are only meaningful to the model (and quantization) that computed them, so a block is
-tagged with a fingerprint of the GGUF: a hash of its header (version, metadata, the name, shape,
-type and offset of every tensor) and of the file size. The header is a few MB even for models of
-tens of GB, so this reads far less than hashing the whole file, and the file name plays no part:
-copies of one model under other names share their cache.
+KV bytes are only meaningful to the weights that computed them, so a block is tagged with a
+fingerprint of the GGUF: a hash of all of it, the header (version, metadata, the name, shape,
+type and offset of every tensor, walked and checked) and the tensor data. Two checkpoints
+converted the same way have equal headers; only their data tells them apart, and serving one's
+KV for the other would answer silently wrong. xxh3 hashes at memory speed, and llama.cpp has
+just read the same pages, so this costs a pass over the page cache at start (0.1 s for the
+default model). The file name plays no part: copies of one model share their cache.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _CHUNK = 1 << 20
 
 
 def gguf_fingerprint(path: str | Path) -> str:
-    """Hex xxh3-128 of a GGUF's header up to the end of its tensor infos, and of its size."""
+    """Hex xxh3-128 of a whole GGUF, its header checked on the way, and of its size."""
     path = Path(path)
     with open(path, "rb") as f:
         reader = _HashingReader(f, path, os.fstat(f.fileno()).st_size)
@@ -43,7 +45,7 @@ def gguf_fingerprint(path: str | Path) -> str:
             reader.skip_string()  # the name
             (n_dims,) = reader.unpack("<I")
             reader.skip(8 * n_dims + 4 + 8)  # dims, type, offset
-    # The size stands in for the tensor data, which the header's offsets and shapes only bound.
+        reader.skip(reader.size - reader.pos)  # the tensor data
     reader.hasher.update(struct.pack("<Q", reader.size))
     return reader.hasher.hexdigest()
 

@@ -427,7 +427,8 @@ class Engine:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
         else:
             if text:
-                seq.handle.deliver(Output(text=text, logprobs=_take(seq.logprobs)))
+                seq.handle.deliver(Output(text=text, logprobs=_take(seq.logprobs),
+                                          n_generated=seq.n_generated))
             if self.cache and prompt_done and not self.unified:
                 # Without shared cells, a request arriving meanwhile takes the prompt from the
                 # pool: store it as soon as the first token is out.

@@ -87,6 +87,7 @@ class Output:
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
     generated: tuple[int, ...] = ()  # on the last output: every generated token id
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this output's text came from
+    n_generated: int = 0  # completion tokens so far: what an abandoned request has cost
 
     @property
     def last(self) -> bool:

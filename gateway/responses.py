@@ -22,6 +22,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_call: ToolCall | None = None  # the answer was this call (finish_reason tool_calls)
     usage: Usage | None = None  # on its last output
+    n_generated: int = 0  # completion tokens so far, also when it never finishes
 
 
 def usage_body(usage: Usage) -> dict:

@@ -50,6 +50,7 @@ PREVIEW_CHARS = 80
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
 HISTORY_STEP, HISTORY_SECONDS = 10.0, 900.0  # the hit-rate history: a sample each, kept
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
+FINAL_WRITE_SECONDS = 5  # how long a timed-out stream waits for its client to take the error
 
 @dataclass
 class ServerConfig:
@@ -303,6 +304,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
     body = parse_request(ChatCompletionRequest, await request.read())
     gateway.require_model(body.model)
+    _admit(request)
     # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
     try:
         prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages,
@@ -318,6 +320,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
     body = parse_request(CompletionRequest, await request.read())
     gateway.require_model(body.model)
+    _admit(request)
     try:
         prompt_tokens = await asyncio.to_thread(gateway.prompts.completion,
                                                 body.single_prompt())
@@ -337,6 +340,7 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     """request -> generation -> (rate limit, Redis tier, pin) -> worker -> answer."""
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
+    _admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
     generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
                                     gateway.model.n_vocab, limits.max_tokens,
                                     namespace=request["namespace"])
@@ -344,7 +348,6 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     if n > limits.max_n:
         raise invalid(f"n is {n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
-    _admit_rate(gateway, request["key"], len(prompt_tokens))
     pool = gateway.workers.pool
     if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
         await asyncio.to_thread(pool.fetch_from_tier, generation)
@@ -371,11 +374,19 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
 
 
-def _admit_rate(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
-    """A 429 with Retry-After once the key's rate limit is reached."""
-    if gateway.rate_limiter is None or key is None:
-        return
-    wait = gateway.rate_limiter.admit(key, prompt_tokens)
+def _admit(request: web.Request) -> None:
+    """The key's rate limit, before any work on the request (rendering, tokenizing, grammars)."""
+    gateway: Gateway = request.app["gateway"]
+    if gateway.rate_limiter is not None and request["key"] is not None:
+        _refuse_for(gateway.rate_limiter.admit(request["key"]))
+
+
+def _admit_prompt(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
+    if gateway.rate_limiter is not None and key is not None:
+        _refuse_for(gateway.rate_limiter.admit_prompt(key, prompt_tokens))
+
+
+def _refuse_for(wait: int | None) -> None:
     if wait is not None:
         raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
                             f"reached; retry in {wait} s", code="rate_limit_exceeded",
@@ -383,9 +394,10 @@ def _admit_rate(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
 
 
 def _charge_rate(gateway: Gateway, key: str | None, choices: list[Choice]) -> None:
+    """What every choice generated, finished, timed out or abandoned alike."""
     if gateway.rate_limiter is not None and key is not None:
-        gateway.rate_limiter.charge(key, sum(c.usage.completion_tokens for c in choices
-                                             if c.usage))
+        gateway.rate_limiter.charge(key, sum(
+            max(c.n_generated, c.usage.completion_tokens if c.usage else 0) for c in choices))
 
 
 def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -433,6 +445,7 @@ async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
             choice = choices[i]
             choice.text += output.text
             choice.logprobs += output.logprobs
+            choice.n_generated = max(choice.n_generated, output.n_generated)
             if output.usage:
                 choice.finish_reason, choice.usage = output.finish_reason, output.usage
             yield i, output
@@ -494,10 +507,26 @@ async def _stream(request: web.Request, handles: list[GenerationHandle],
                 if include_usage:
                     await _event(response, writer.usage_chunk(_total_usage(choices)))
     except TimeoutError:
-        await _event(response, _timed_out(timeout).body())
+        for handle in handles:  # freed at the deadline, whatever the client's socket does
+            handle.cancel()
+        await _finish_stream(request, response, _timed_out(timeout).body())
+        return response
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def _finish_stream(request: web.Request, response: web.StreamResponse,
+                         error: dict) -> None:
+    """The error event and [DONE], if the client takes them soon; else the connection goes."""
+    try:
+        async with asyncio.timeout(FINAL_WRITE_SECONDS):
+            await _event(response, error)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
 
 
 async def _finish_tool_choice(response: web.StreamResponse, writer: ChatWriter,

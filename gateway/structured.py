@@ -37,9 +37,23 @@ def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str 
     schema = json_schema["schema"]
     _check(schema, "schema", param)
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        return json_strings_only(json_schema_to_gbnf(json.dumps(schema)))
     except (ValueError, KeyError, AssertionError, RecursionError) as exc:
         raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", param) from None
+
+
+# llama-cpp-python's converter lets any character but `"` and `\` into a string; JSON (and
+# llama.cpp's own converter) forbid the control characters there, which this model emits
+# (raw newlines inside strings), making the output invalid JSON.
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+
+
+def json_strings_only(grammar: str) -> str:
+    """The converter's grammar with its string characters limited to JSON's."""
+    lines = grammar.split("\n")
+    return "\n".join(_JSON_CHAR + line[len(_LOOSE_CHAR):] if line.startswith(_LOOSE_CHAR)
+                     else line for line in lines)
 
 
 def _check(schema: object, where: str, param: str) -> None:

@@ -186,11 +186,11 @@ class Workers:
                                  if r.namespace == namespace]) for w in ready]
             chosen, reason = self.router.choose(prompt, loads, pool_cached)
             if cache_key is not None:
-                owner = next((w for w in loads if w.worker_id == self.affinity.owner(cache_key)),
-                             None)
+                owner_id = self.affinity.owner(namespace, cache_key)
+                owner = next((w for w in loads if w.worker_id == owner_id), None)
                 if owner is not None and reason != "balance" and len(loads) > 1:
                     chosen, reason = owner, "cache_key"
-                self.affinity.record(cache_key, chosen.worker_id)
+                self.affinity.record(namespace, cache_key, chosen.worker_id)
             worker = next(w for w in ready if w.worker_id == chosen.worker_id)
             ids, handles = [next(self._ids) for _ in requests], []
             for request_id in ids:

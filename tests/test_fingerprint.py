@@ -60,10 +60,12 @@ def test_a_metadata_byte_changes_it(model: Path, copy: Path):
     assert gguf_fingerprint(copy) == gguf_fingerprint(model)
 
 
-def test_tensor_data_is_not_hashed_but_the_size_is(model: Path, copy: Path):
+def test_a_tensor_data_byte_changes_it_and_so_does_the_size(model: Path, copy: Path):
+    """Two checkpoints converted alike differ only in their data (before, it was not hashed)."""
     size = copy.stat().st_size
     with flipped(copy, size - 100):
-        assert gguf_fingerprint(copy) == gguf_fingerprint(model)
+        assert gguf_fingerprint(copy) != gguf_fingerprint(model)
+    assert gguf_fingerprint(copy) == gguf_fingerprint(model)
     with open(copy, "ab") as f:
         f.write(b"\0")
     try:
@@ -120,8 +122,9 @@ def test_synthetic_gguf_with_every_value_type(tmp_path: Path):
     path = tmp_path / "tiny.gguf"
     data = b"\0" * (-len(header) % 32) + bytes(range(256)) * 2
     path.write_bytes(header + data)
-    # Equal only if the parser stopped exactly at the end of the tensor infos.
-    expected = xxhash.xxh3_128(header + struct.pack("<Q", len(header) + len(data))).hexdigest()
+    # The whole file, then its size, once the parser walked every value type of the header.
+    expected = xxhash.xxh3_128(header + data + struct.pack("<Q", len(header) + len(data))
+                               ).hexdigest()
     assert gguf_fingerprint(path) == expected
     path.write_bytes(synthetic_header(version=2) + data)
     assert gguf_fingerprint(path) != expected

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -261,6 +262,35 @@ def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name,
         by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
         with pytest.raises(openai.RateLimitError):
             by_tokens.completions.create(model=model_name, prompt=long_prompt, max_tokens=4)
+        # Admitted before any work: a key past its requests gets a 429 even for a prompt whose
+        # rendering would have failed (before, the 400 for its length came first).
+        with pytest.raises(openai.RateLimitError):
+            by_requests.completions.create(model=model_name, prompt="word " * 5000,
+                                           max_tokens=1)
+    finally:
+        server.stop()
+
+
+def test_what_an_abandoned_request_generated_is_charged(model_path, model_name, tmp_path):
+    """A stream left after ~150 tokens spent them: the key's next ~300-token prompt no longer
+    fits its 400 tokens a minute. (Before, an abandoned request was charged nothing.)"""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\n")
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--api-keys-file", str(keys), "--rate-limit-tpm", "400")
+    try:
+        client = client_for(server, "key-a")
+        stream = client.completions.create(model=model_name, prompt="Tell a story.",
+                                           max_tokens=300, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 150:
+                break
+        stream.close()
+        server.wait_idle()
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=model_name, prompt="tokens and more " * 75,
+                                      max_tokens=1)
     finally:
         server.stop()
 
@@ -298,4 +328,31 @@ def test_cors_is_off_by_default_and_answers_its_origin_when_on(gateway, model_pa
         assert refused.value.code == 401
         assert refused.value.headers["Access-Control-Allow-Origin"] == "https://app.example"
     finally:
+        server.stop()
+
+
+def test_a_timed_out_stream_is_freed_though_its_client_stopped_reading(model_path, model_name):
+    """The client takes nothing after its request: the server's writes block. At the deadline
+    everything the request held is freed anyway, and the connection goes. (Before, the final
+    error event waited on the socket forever, holding the sequences.)"""
+    server = GatewayProcess(model_path, "--parallel", "8", "--ctx-size", "8192",
+                            "--request-timeout", "3")
+    body = json.dumps({"model": model_name, "prompt": "Tell a story.", "max_tokens": 2000,
+                       "n": 8, "logprobs": 20, "stream": True, "ignore_eos": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once, never read
+    try:
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while server.metrics()["prefixgate_num_requests_running"] < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # Freed by the 3 s deadline plus the few seconds the error event may wait.
+        metrics = server.wait_idle(timeout=15)
+        assert metrics["prefixgate_kv_cells_used"] == 0
+        server.settled()
+    finally:
+        sock.close()
         server.stop()

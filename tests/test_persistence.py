@@ -3,6 +3,7 @@ verify is refused whole."""
 
 from __future__ import annotations
 
+import shutil
 import stat
 
 from loadtest.gateway_process import GatewayProcess
@@ -67,3 +68,30 @@ def test_a_snapshot_of_another_model_layout_is_refused(model_path, model_name, t
         assert "written for another fingerprint" in other.log_path.read_text()
     finally:
         other.stop()
+
+
+def test_a_snapshot_of_other_weights_with_the_same_header_is_refused(model_path, model_name,
+                                                                     tmp_path):
+    """One byte of tensor data flipped: the same header, other weights. (Before, only the header
+    was hashed, and the copy adopted the original's KV.)"""
+    other = tmp_path / "other" / model_path.name
+    other.parent.mkdir()
+    shutil.copyfile(model_path, other)
+    with open(other, "r+b") as f:
+        f.seek(-100, 2)
+        byte = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(tmp_path / "cache"))
+    first = GatewayProcess(model_path, *args)
+    try:
+        ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
+    finally:
+        first.stop()
+    second = GatewayProcess(other, *args)
+    try:
+        _, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert "written for another fingerprint" in second.log_path.read_text()
+    finally:
+        second.stop()

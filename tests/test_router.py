@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gateway.affinity import CacheKeyAffinity
 from gateway.router import Router, RoutingConfig, WorkerLoad
 
 BLOCK = 16
@@ -59,3 +60,13 @@ def test_another_tenants_requests_count_as_load_but_share_nothing():
     chosen, reason = router.choose(prompt(9), [busy, idle], pool_cached=0)
     assert chosen.worker_id == 1 and reason == "cache_aware"
     assert busy.live_prefix(prompt(9)) == 0
+
+
+def test_prompt_cache_keys_are_each_tenants_own_and_bounded():
+    affinity = CacheKeyAffinity(capacity=2)
+    affinity.record("tenant:a", "support-bot", 0)
+    assert affinity.owner("tenant:b", "support-bot") is None  # B learns nothing of A's key
+    affinity.record("tenant:b", "support-bot", 1)
+    assert affinity.owner("tenant:a", "support-bot") == 0
+    affinity.record("tenant:a", "other", 1)  # the least recently used goes
+    assert affinity.owner("tenant:a", "support-bot") is None and affinity.requests == 3

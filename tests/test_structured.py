@@ -106,3 +106,23 @@ def test_a_finished_grammar_ends_the_request_even_when_the_end_is_suppressed(
     assert [w["restarts"] for w in gateway.health()[1]["workers"]] == restarts
     assert gateway.health()[1]["status"] == "ok"
     gateway.settled()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "bio": {"type": "string"}},
+          "required": ["name", "bio"], "additionalProperties": False}
+
+
+def test_sampled_strings_are_json_strings(client, model_name):
+    """No raw control character (a newline, say) inside a string: every answer that ended on
+    its own parses. (Before, llama-cpp-python's converter let them in: 3 of 12 were invalid.)"""
+    finished = 0
+    for seed in range(12):
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=200, temperature=0.9, seed=seed,
+            messages=[{"role": "user", "content": "Invent a person."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON}})
+        if r.choices[0].finish_reason == "stop":
+            finished += 1
+            jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert finished >= 6
