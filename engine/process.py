@@ -188,11 +188,13 @@ class _RemoteSink:
 def _serve(engine: Engine, link: _Link, outbox: list[tuple[int, Output]]) -> None:
     live: dict[int, _RemoteSink] = {}
     while True:
+        # Checked before every message, not only when none comes: under traffic a dead engine
+        # would otherwise stay in service, refusing everything routed to it.
+        if engine.failure:  # the engine thread died and answered everyone: restart us
+            log.error("engine failed (%s); exiting for the gateway to restart this worker",
+                      engine.failure)
+            return
         if not link.channel.conn.poll(0.5):
-            if engine.failure:  # the engine thread died and answered everyone: restart us
-                log.error("engine failed (%s); exiting for the gateway to restart this worker",
-                          engine.failure)
-                return
             continue
         try:
             message = link.channel.recv()

@@ -216,6 +216,11 @@ class Workers:
                 message = worker.channel.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a stream it cannot read: nobody would hear the worker again
+                log.exception("reading from worker %d failed; stopping it for a replacement",
+                              worker.worker_id)
+                worker.process.kill()
+                break
             try:
                 self._dispatch(worker, message)
             except Exception:  # a bad message must not stop the reader: its worker would hang

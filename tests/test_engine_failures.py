@@ -4,12 +4,20 @@ is released, and the engine serves on (or, dead, says so instead of hanging)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import pickle
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
 from engine.llama import DecodeError
-from engine.messages import EngineUnavailable, GenerationRequest, SamplerSettings
+from engine.messages import Cancel, Channel, EngineUnavailable, GenerationRequest, SamplerSettings
+from engine.process import _Link, _serve
+from gateway.config import WorkersConfig
+from gateway.supervisor import WorkerProcess, Workers
 from tests.local_engine import LocalEngine
 
 GREEDY = SamplerSettings(temperature=0.0)
@@ -187,3 +195,49 @@ def test_waiting_counts_requests_not_wake_up_markers(local, prompt):
         return waiting
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_worker_whose_engine_died_exits_under_traffic():
+    """Its main thread leaves at once though messages keep coming, so that the gateway replaces
+    it. (Before, it looked for the failure only after 0.5 s without a message.)"""
+    ours, theirs = multiprocessing.Pipe()
+    engine = SimpleNamespace(failure=None, wake=lambda: None)
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            ours.send(Cancel(0))
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    serving = threading.Thread(target=_serve, args=(engine, _Link(Channel(theirs)), []))
+    serving.start()
+    time.sleep(0.3)
+    engine.failure = "injected death"
+    serving.join(timeout=3)
+    done.set()
+    assert not serving.is_alive()
+
+
+def test_a_reader_that_cannot_read_its_worker_takes_it_down():
+    """Anything but the end of the stream, too: the worker is killed and handled as dead (so
+    replaced). (Before, the reader thread died and the worker stayed in service, unheard.)"""
+    workers = Workers(WorkersConfig(model_path="unused.gguf", engine=EngineConfig()))
+    workers._loop = asyncio.new_event_loop()
+    killed = []
+    process = SimpleNamespace(kill=lambda: killed.append(True), join=lambda timeout=None: None,
+                              exitcode=-9, pid=1, is_alive=lambda: False)
+
+    class Garbled:
+        def recv(self):
+            raise pickle.UnpicklingError("not a message")
+
+        def send(self, message) -> None:
+            pass
+
+    worker = WorkerProcess(0, process, Garbled(), state="ready")
+    workers._workers = [worker]
+    workers._read(worker)
+    assert killed and worker.state == "dead"
+    workers._loop.close()
