@@ -50,6 +50,7 @@ PREVIEW_CHARS = 80
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
 HISTORY_STEP, HISTORY_SECONDS = 10.0, 900.0  # the hit-rate history: a sample each, kept
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
+MIN_TOKENIZE_BOUND = 65536  # tokens /tokenize and /detokenize take, if the context is shorter
 FINAL_WRITE_SECONDS = 5  # how long a timed-out stream waits for its client to take the error
 
 @dataclass
@@ -221,25 +222,50 @@ async def consistency(request: web.Request) -> web.Response:
 
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
+    """Vocabulary-sized work (a ctypes call per token) runs on a thread, within a bound, after
+    the key's rate limit: never on the event loop the streams share."""
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(TokenizeRequest, await request.read())
+    _admit(request)
+    body = await asyncio.to_thread(parse_request, TokenizeRequest, await request.read())
     gateway.require_model(gateway.config.model_name)
     tokens = await asyncio.to_thread(gateway.model.tokenize, body.content,
                                      add_special=body.add_special, parse_special=True)
+    _within_token_bound(gateway, len(tokens), "content")
     if body.with_pieces:
-        return _json({"tokens": [{"id": t, "piece": gateway.model.token_piece(t).decode(
-            errors="replace")} for t in tokens]})
+        return _json({"tokens": await asyncio.to_thread(_pieces, gateway.model, tokens)})
     return _json({"tokens": tokens})
 
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(DetokenizeRequest, await request.read())
+    _admit(request)
+    raw = await request.read()
+    # Validating a huge list holds the GIL, thread or not: refuse it by its size first (an id
+    # and its comma take at most 8 bytes with this vocabulary's 6-digit ids and a space).
+    _within_token_bound(gateway, len(raw) // 8, "tokens")
+    body = await asyncio.to_thread(parse_request, DetokenizeRequest, raw)
     gateway.require_model(gateway.config.model_name)
-    if any(not 0 <= t < gateway.model.n_vocab for t in body.tokens):
+    _within_token_bound(gateway, len(body.tokens), "tokens")
+    content = await asyncio.to_thread(_detokenized, gateway.model, body.tokens)
+    return _json({"content": content})
+
+
+def _within_token_bound(gateway: Gateway, n_tokens: int, param: str) -> None:
+    """No more tokens than a prompt of this server may have (its context, at least 64k)."""
+    bound = max(gateway.workers.seq_len, MIN_TOKENIZE_BOUND)
+    if n_tokens > bound:
+        raise invalid(f"{n_tokens} tokens; this server tokenizes at most {bound}", param)
+
+
+def _pieces(model: Model, tokens: list[int]) -> list[dict]:
+    return [{"id": t, "piece": model.token_piece(t).decode(errors="replace")} for t in tokens]
+
+
+def _detokenized(model: Model, tokens: list[int]) -> str:
+    if any(not 0 <= t < model.n_vocab for t in tokens):
         raise invalid("tokens holds an id outside the vocabulary", "tokens")
-    return _json({"content": gateway.model.detokenize(body.tokens)})
+    return model.detokenize(tokens)
 
 
 def _require_admin(request: web.Request) -> Gateway:

@@ -173,3 +173,28 @@ def test_tokenize_and_detokenize_as_llama_server_has_them(gateway, local_model):
     pieces = post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
     assert [p["id"] for p in pieces] == tokens and "".join(p["piece"] for p in pieces) == text
     assert post("/detokenize", {"tokens": tokens})["content"] == text
+
+
+def test_tokenize_and_detokenize_are_bounded(gateway):
+    """No more tokens than a prompt may have (at least 64k): beyond, a 400 before the work that
+    would hold the event loop. (Before, any size went through, and froze every stream.)"""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def status(path: str, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(gateway.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    code, body = status("/detokenize", {"tokens": [1] * 70_000})
+    assert code == 400 and body["error"]["param"] == "tokens"
+    code, body = status("/detokenize", {"tokens": [12345] * 1_000_000})  # 7 MB of ids
+    assert code == 400 and body["error"]["param"] == "tokens"
+    code, body = status("/tokenize", {"content": "a " * 70_000, "with_pieces": True})
+    assert code == 400 and body["error"]["param"] == "content"
+    assert status("/detokenize", {"tokens": [1] * 1000})[0] == 200
