@@ -367,9 +367,10 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
     _admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
-    generation = body.to_generation(prompt_tokens, gateway.workers.seq_len,
-                                    gateway.model.n_vocab, limits.max_tokens,
-                                    namespace=request["namespace"])
+    # Building a grammar from a schema takes time: off the event loop the streams share.
+    generation = await asyncio.to_thread(
+        body.to_generation, prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
+        limits.max_tokens, namespace=request["namespace"])
     n = body.n or 1
     if n > limits.max_n:
         raise invalid(f"n is {n}; this server answers at most {limits.max_n} choices "

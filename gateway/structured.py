@@ -9,6 +9,7 @@ anything else is a 400 that names the keyword, never a grammar that silently enf
 from __future__ import annotations
 
 import json
+import re
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
@@ -23,6 +24,11 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
 _FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 PARAM = "response_format.json_schema"
+MAX_REPETITIONS = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD (src/llama-grammar.cpp)
+MAX_DEPTH = 64
+MAX_GRAMMAR_BYTES = 1 << 20  # what a worker's grammar sampler is given to parse, at most
+_COUNTS = {"minLength", "maxLength", "minItems", "maxItems"}
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {m}, {m,} or {m,n} in a pattern
 
 
 def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str | None:
@@ -37,9 +43,13 @@ def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str 
     schema = json_schema["schema"]
     _check(schema, "schema", param)
     try:
-        return json_strings_only(json_schema_to_gbnf(json.dumps(schema)))
+        grammar = json_strings_only(json_schema_to_gbnf(json.dumps(schema)))
     except (ValueError, KeyError, AssertionError, RecursionError) as exc:
         raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", param) from None
+    if len(grammar) > MAX_GRAMMAR_BYTES:
+        raise invalid(f"the JSON schema makes a grammar of {len(grammar)} bytes, more than "
+                      f"{MAX_GRAMMAR_BYTES}", param)
+    return grammar
 
 
 # llama-cpp-python's converter lets any character but `"` and `\` into a string; JSON (and
@@ -56,25 +66,29 @@ def json_strings_only(grammar: str) -> str:
                      else line for line in lines)
 
 
-def _check(schema: object, where: str, param: str) -> None:
+def _check(schema: object, where: str, param: str, depth: int = 0) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise invalid(f"{where} must be a JSON schema object", param)
+    if depth > MAX_DEPTH:  # llama.cpp parses grammars recursively, in the worker
+        raise invalid(f"the JSON schema nests deeper than {MAX_DEPTH} levels (at {where})",
+                      param)
     for key, value in schema.items():
         if key not in _ENFORCED | _ANNOTATIONS:
             raise invalid(f"the JSON schema keyword '{key}' (at {where}) is not supported: "
                           "outputs could not be constrained by it", param, "unsupported")
+        _check_repetition(key, value, where, param)
         if key in ("properties", "$defs", "definitions"):
             for name, sub in _mapping(value, f"{where}.{key}", param).items():
-                _check(sub, f"{where}.{key}.{name}", param)
+                _check(sub, f"{where}.{key}.{name}", param, depth + 1)
         elif key in ("items", "additionalProperties"):
-            _check(value, f"{where}.{key}", param)
+            _check(value, f"{where}.{key}", param, depth + 1)
         elif key in ("prefixItems", "anyOf", "oneOf", "allOf"):
             if not isinstance(value, list):
                 raise invalid(f"{where}.{key} must be a list of schemas", param)
             for i, sub in enumerate(value):
-                _check(sub, f"{where}.{key}[{i}]", param)
+                _check(sub, f"{where}.{key}[{i}]", param, depth + 1)
         elif key == "format" and value not in _FORMATS:
             raise invalid(f"the string format '{value}' (at {where}) is not supported", param,
                           "unsupported")
@@ -82,6 +96,26 @@ def _check(schema: object, where: str, param: str) -> None:
             types = value if isinstance(value, list) else [value]
             if not all(t in _TYPES for t in types):
                 raise invalid(f"{where}.type {value!r} is not a JSON schema type", param)
+
+
+def _check_repetition(key: str, value: object, where: str, param: str) -> None:
+    """The converter writes a bound out as that many copies of its rule (8 MB of grammar per
+    million), and llama.cpp refuses repetitions past MAX_REPETITIONS anyway: refuse them here,
+    before any grammar is built."""
+    if key in _COUNTS:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{where}.{key} must be a non-negative integer", param)
+        bounds = [value]
+    elif key == "pattern":
+        if not isinstance(value, str):
+            raise invalid(f"{where}.pattern must be a string", param)
+        bounds = [int(n) for pair in _REPEAT.findall(value) for n in pair if n]
+    else:
+        return
+    if any(n > MAX_REPETITIONS for n in bounds):
+        raise invalid(f"the JSON schema keyword '{key}' (at {where}) asks for more than "
+                      f"{MAX_REPETITIONS} repetitions, the most llama.cpp's grammars allow",
+                      param, "unsupported")
 
 
 def _mapping(value: object, where: str, param: str) -> dict:

@@ -126,3 +126,24 @@ def test_sampled_strings_are_json_strings(client, model_name):
             finished += 1
             jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
     assert finished >= 6
+
+
+@pytest.mark.parametrize("keyword,schema", [
+    ("maxLength", {"type": "string", "maxLength": 100_000_000}),
+    ("pattern", {"type": "string", "pattern": "^a{0,100000000}$"}),
+    ("minItems", {"type": "array", "items": {"type": "string"}, "minItems": 1_000_000}),
+])
+def test_a_repetition_bomb_is_a_400_before_any_grammar_is_built(client, model_name, keyword,
+                                                                  schema):
+    """Past llama.cpp's own cap of 2,000 repetitions. (Before, the converter wrote them out on
+    the event loop: 8 MB of grammar per million.)"""
+    with pytest.raises(openai.BadRequestError) as raised:
+        structured(client, model_name, {"type": "object", "properties": {"x": schema}})
+    assert f"'{keyword}'" in raised.value.body["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}, "required": ["x"]}}}
+    with pytest.raises(openai.BadRequestError) as raised:  # a forced call builds one too
+        client.chat.completions.create(
+            model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+            tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert f"'{keyword}'" in raised.value.body["message"]
