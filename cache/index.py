@@ -13,11 +13,12 @@ once both write them; the second commit finds them in the tree and frees its cop
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,12 +230,15 @@ class CacheIndex:
         with self._lock:
             return self.tree.chain_keys(tokens, namespace.encode())
 
-    def cached_blocks(self) -> list[tuple[bytes, np.ndarray, int]]:
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[list[tuple[bytes, np.ndarray, int]]]:
         """(namespace, tokens from the root to the block's end, slot) of every cached block,
-        least recently used first (so that adopting them in this order restores the LRU)."""
+        least recently used first (so that adopting them in this order restores the LRU), with
+        the index locked until the caller is done with them: no store, adoption or eviction
+        can rewrite one of those slots while it copies their bytes."""
         with self._lock:
-            return [(node.namespace, node.path_tokens(), node.slot)
-                    for node in self.tree.by_recency()]
+            yield [(node.namespace, node.path_tokens(), node.slot)
+                   for node in self.tree.by_recency()]
 
     def release_owner(self, owner: int) -> None:
         """Everything a worker held: it died, or stopped."""

@@ -43,14 +43,13 @@ def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
     """Writes every cached block; returns how many."""
     # Every tenant's prompt tokens are in it: owner-only, as the arena is.
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    blocks = index.cached_blocks()
     header = arena.header
     path = directory / FILE_NAME
     # A name nobody can guess, created here (O_EXCL) and never through a planted symlink.
     partial = directory / f".{FILE_NAME}.{secrets.token_hex(8)}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     digest = xxhash.xxh3_128()
-    with open(fd, "wb") as f:
+    with open(fd, "wb") as f, index.frozen() as blocks:
         def write(data: bytes | memoryview) -> None:
             f.write(data)
             digest.update(data)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import shutil
 import stat
+import threading
 
+import numpy as np
+
+from cache import persistence
+from cache.arena import ArenaHeader, BlockArena, default_arena_path
+from cache.index import CacheIndex
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.test_prefix_cache import ask, system_chat
@@ -95,3 +101,43 @@ def test_a_snapshot_of_other_weights_with_the_same_header_is_refused(model_path,
         assert "written for another fingerprint" in second.log_path.read_text()
     finally:
         second.stop()
+
+
+def test_the_snapshot_holds_the_bytes_of_the_blocks_it_lists(tmp_path):
+    """An adoption from Redis arriving while the snapshot is written (it evicts the least
+    recently used block and rewrites its slot) waits until the copy is done. (Before, blocks
+    were listed under the index's lock but copied outside it: a prefix got another's bytes.)"""
+    header = ArenaHeader("fp", slot_bytes=16, n_slots=2, block_size=4)
+    arena, fresh = BlockArena.create(default_arena_path(), header), None
+    try:
+        index = CacheIndex(2, 4)
+
+        def filled(value: int):
+            return lambda _start, _end: bytes([value]) * 16
+
+        index.adopt(np.arange(4, dtype=np.int32), "", filled(1), arena)
+        index.adopt(np.arange(100, 104, dtype=np.int32), "", filled(2), arena)  # pool full
+        copy, racing = arena.block, []
+
+        def block(slot: int):  # the first copy lets an adoption race it
+            if not racing:
+                racing.append(threading.Thread(target=index.adopt, args=(
+                    np.arange(200, 204, dtype=np.int32), "", filled(3), arena)))
+                racing[0].start()
+                racing[0].join(timeout=0.5)
+            return copy(slot)
+
+        arena.block = block
+        assert persistence.save(tmp_path, index, arena) == 2
+        racing[0].join()
+        arena.block = copy
+        fresh, loaded = BlockArena.create(default_arena_path(), header), CacheIndex(2, 4)
+        assert persistence.load(tmp_path, loaded, fresh) == 2
+        for first, value in ((0, 1), (100, 2)):
+            lease = loaded.match(0, np.arange(first, first + 4, dtype=np.int32), "")
+            (slot, used), = lease.blocks
+            assert used == 4 and set(fresh.block(slot).tolist()) == {value}
+    finally:
+        arena.close()
+        if fresh is not None:
+            fresh.close()
