@@ -20,13 +20,14 @@ Invariants (checked by the property tests):
 - No block only the tree references is a strict prefix of a sibling: its longer copy serves it.
 - A pinned block (`prompt_cache_retention`) is never evicted before its pin expires; pins cover
   whole paths, so a pinned leaf's ancestors are pinned too, and at most `pin_budget` blocks are
-  pinned at once (past it, the pins that expire first fall back to plain LRU).
+  pinned at once. Past it, pins fall back to plain LRU from the namespace holding the most,
+  those expiring first, leaf first: what stays pinned is always a prefix.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -249,10 +250,23 @@ class RadixTree:
         for node in [n for n in self._pins if n.pinned_until <= now]:
             self._unpin(node)
         while len(self._pins) > self.pin_budget:
-            self._unpin(min(self._pins, key=lambda n: n.pinned_until))
+            self._unpin(self._pin_to_give_up())
             dropped += 1
         self.pin_fallbacks += dropped
         return dropped
+
+    def _pin_to_give_up(self) -> Node:
+        """Past the budget: a pin of the namespace that holds the most (one tenant's pins
+        cannot push out every other's), expiring first, and the deepest of its path first,
+        so that what stays pinned is a prefix: a pinned leaf under unpinned ancestors would
+        keep the whole path from eviction, since only leaves are evicted."""
+        per_namespace = Counter(node.namespace for node in self._pins)
+        return min(self._pins, key=lambda n: (-per_namespace[n.namespace], n.pinned_until,
+                                              self._has_pinned_child(n)))
+
+    def _has_pinned_child(self, node: Node) -> bool:
+        return any(child in self._pins for siblings in node.children.values()
+                   for child in siblings)
 
     @property
     def n_pinned(self) -> int:

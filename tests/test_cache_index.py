@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from cache.index import CacheIndex
@@ -109,3 +111,34 @@ def test_namespaces_never_share_blocks():
     assert index.cached_length(prompt, "tenant-a") == 8
     assert index.cached_length(prompt, "tenant-b") == 0
     assert index.match(0, prompt, "tenant-b").n_tokens == 0
+
+
+def flood(index: CacheIndex, n: int) -> None:
+    for i in range(n):
+        store(index, 0, np.arange(1000 + 8 * i, 1008 + 8 * i, dtype=np.int32))
+
+
+def test_past_the_pin_budget_a_path_keeps_a_pinned_prefix_and_the_rest_can_go():
+    """Budget 2, a pinned path of 6 blocks, a flood: the first 2 blocks stay, the other 4 are
+    evicted like any. (Before, the ancestors were unpinned and the pinned leaves kept all 6.)"""
+    index = CacheIndex(12, BLOCK, pin_budget=2)
+    prompt = np.arange(24, dtype=np.int32)
+    store(index, 0, prompt)
+    index.pin(prompt, "", until=index.tree.clock() + 3600)
+    assert index.tree.n_pinned == 2
+    flood(index, 20)
+    assert index.cached_length(prompt, "") == 2 * BLOCK
+    assert only_the_tree_holds(index)
+
+
+def test_one_tenants_pins_cannot_push_out_every_others():
+    index = CacheIndex(16, BLOCK, pin_budget=4)
+    mine, theirs = np.arange(16, dtype=np.int32), np.arange(500, 508, dtype=np.int32)
+    for namespace, prompt in (("tenant:a", mine), ("tenant:b", theirs)):
+        plan = index.plan_store(0, prompt, namespace, final=True, hold=False)
+        index.commit_store(plan.plan_id, written=True)
+    until = index.tree.clock() + 3600
+    index.pin(theirs, "tenant:b", until)
+    index.pin(mine, "tenant:a", until + 1)  # A's 4 blocks would take the whole budget
+    pinned = Counter(n.namespace for n in index.tree._pins)
+    assert pinned == {b"tenant:a": 2, b"tenant:b": 2}
