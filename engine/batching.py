@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 # token as soon as it alone is computed, at the same total. Only short ones are packed together,
 # where the fixed part would dominate.
 PACK_PROMPTS_BELOW = 64
+# Beside running decodes a step takes at most this many prompt tokens: every generating request
+# waits for the step, and a 512-token one takes ~1.8 s here. Prompts take a few more, shorter
+# steps (the fixed part is ~1% of a 128-token step). Chunks stay at 64 tokens or more, where
+# llama.cpp's CPU flash attention keeps one (tiled) kernel, as for the chunks computed alone.
+PROMPT_TOKENS_BESIDE_DECODES = 128
 
 
 class OutputSink(Protocol):
@@ -366,6 +371,8 @@ class Engine:
             decoding = [seq for seq in decoding if seq is not victim]
         plan = [(seq, seq.tokens[-1:]) for seq in decoding]
         budget = self._batch.capacity - len(plan)
+        if decoding:  # they wait for the step: keep it short (TPOT) while prompts are computed
+            budget = min(budget, PROMPT_TOKENS_BESIDE_DECODES)
         if self.unified:
             budget = min(budget, self.cells.free - len(plan))
         prompt_tokens = 0
