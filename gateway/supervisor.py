@@ -74,6 +74,9 @@ class WorkerProcess:
     requests: dict[int, _InFlight] = field(default_factory=dict)
     routed: Counter = field(default_factory=Counter)  # routing decisions by reason
     restarts: int = 0
+    # Set by its reader thread once the process is reaped. Only that thread joins it: two
+    # threads waiting on one child race, and the loser saw a reaped worker as alive.
+    exited: threading.Event = field(default_factory=threading.Event)
 
     def send(self, message) -> None:
         """From the event loop or a reader thread; a dead worker's reader handles the fallout."""
@@ -144,12 +147,11 @@ class Workers:
         for worker in self._workers:
             worker.send(Shutdown())
         for worker in self._workers:
-            worker.process.join(timeout)
-            if worker.process.is_alive():
+            if not worker.exited.wait(timeout):
                 log.error("worker %d did not stop in %.0f s; killing it", worker.worker_id,
                           timeout)
                 worker.process.kill()
-                worker.process.join(5)
+                worker.exited.wait(5)
         with self._lock:
             pool, self.pool = self.pool, None
         if pool is not None:  # the workers are gone: nothing writes the arena now
@@ -274,6 +276,7 @@ class Workers:
 
     def _on_exit(self, worker: WorkerProcess) -> None:
         worker.process.join(10)
+        worker.exited.set()
         with self._lock:
             worker.state = "dead"
             orphans = list(worker.requests.values())
