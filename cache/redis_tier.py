@@ -12,6 +12,13 @@ version, fingerprint digest, token count), the block's tokens and its bytes: nev
 a separate metadata key that an eviction could split. Values are checked on load like local hits
 (header, fingerprint, tokens); one that does not verify is a miss and counts as an error.
 
+Trust: without `--redis-key`, anyone who can write to the Redis can plant KV for any tenant and
+prefix (values are verified only by their tokens and the fingerprint, both public). With it,
+every value carries an HMAC-SHA256 over its key and its bytes, and one that does not verify is
+a miss: only holders of the key can write KV a gateway will use. Gateways with different keys
+(or one with and one without) share nothing. Reading Redis still shows token ids: keep it on a
+network only gateways reach.
+
 Redis slow, down or answering garbage never fails a request or delays it past the cap: a miss,
 a metric and a log line. After repeated failures the tier is skipped for a while (a circuit
 breaker), then tried again.
@@ -20,6 +27,8 @@ breaker), then tried again.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import queue
 import struct
@@ -35,7 +44,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _MAGIC = b"PGKV"
-_HEADER = struct.Struct("<4sHHI16s")  # magic, version, reserved, n_tokens, fingerprint digest
+_HEADER = struct.Struct("<4sHHI16s")  # magic, version, flags, n_tokens, fingerprint digest
+_SIGNED = 1  # flags: an HMAC-SHA256 of the Redis key and the value follows the block's bytes
+_MAC_BYTES = 32
 BREAKER_FAILURES = 3  # consecutive failures that open the breaker
 BREAKER_SECONDS = 30.0  # how long the tier is skipped then
 WRITE_BATCH = 16  # blocks per pipelined write
@@ -47,6 +58,7 @@ class TierConfig:
     timeout: float = 0.2  # seconds a lookup may add to a request
     ttl: int = 86400  # seconds a block lives in Redis after its last write
     queue_blocks: int = 256  # blocks waiting to be written; beyond, new ones are dropped
+    key: bytes | None = None  # signs every value (HMAC-SHA256); None: values are unsigned
 
 
 @dataclass
@@ -83,10 +95,14 @@ class RedisTier:
 
     def put(self, block_key: bytes, tokens: np.ndarray, data: bytes | memoryview) -> None:
         """Queues a block for Redis; called under the cache index's lock, so it only copies."""
-        value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, 0, len(tokens), self._fingerprint)
+        key = self.key(block_key)
+        flags = _SIGNED if self.config.key else 0
+        value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, flags, len(tokens), self._fingerprint)
                  + tokens.astype("<i4").tobytes() + bytes(data))
+        if self.config.key:  # over the key too: a signed value cannot move to another prefix
+            value += hmac.new(self.config.key, key + value, hashlib.sha256).digest()
         try:
-            self._queue.put_nowait((self.key(block_key), value))
+            self._queue.put_nowait((key, value))
         except queue.Full:
             with self._lock:
                 self.stats.dropped_blocks += 1
@@ -122,16 +138,17 @@ class RedisTier:
         if not block_keys or self._skipping():
             return []
         try:
-            values = self._reads.mget([self.key(k) for k in block_keys])
+            keys = [self.key(k) for k in block_keys]
+            values = self._reads.mget(keys)
         except redis.RedisError as exc:
             self._failed("looking up blocks", exc)
             return []
         self._succeeded(0)
         found = []
-        for value, chunk in zip(values, chunks, strict=True):
+        for key, value, chunk in zip(keys, values, chunks, strict=True):
             if value is None:
                 break
-            data = self._verified(value, chunk)
+            data = self._verified(key, value, chunk)
             if data is None:
                 with self._lock:
                     self.stats.errors += 1
@@ -141,17 +158,24 @@ class RedisTier:
             found.append(data)
         return found
 
-    def _verified(self, value: bytes, chunk: np.ndarray) -> bytes | None:
+    def _verified(self, key: bytes, value: bytes, chunk: np.ndarray) -> bytes | None:
         if len(value) < _HEADER.size:
             return None
-        magic, version, _, n_tokens, fingerprint = _HEADER.unpack_from(value)
+        magic, version, flags, n_tokens, fingerprint = _HEADER.unpack_from(value)
         end = _HEADER.size + 4 * n_tokens
-        if (magic, version, fingerprint) != (_MAGIC, FORMAT_VERSION, self._fingerprint) \
-                or n_tokens != len(chunk) or len(value) != end + self.slot_bytes:
+        signed = bool(self.config.key)
+        mac = _MAC_BYTES if signed else 0
+        if (magic, version, fingerprint, flags) != (_MAGIC, FORMAT_VERSION, self._fingerprint,
+                                                    _SIGNED if signed else 0) \
+                or n_tokens != len(chunk) or len(value) != end + self.slot_bytes + mac:
+            return None
+        if signed and not hmac.compare_digest(
+                value[-mac:], hmac.new(self.config.key, key + value[:-mac],
+                                       hashlib.sha256).digest()):
             return None
         if not np.array_equal(np.frombuffer(value, "<i4", n_tokens, _HEADER.size), chunk):
             return None
-        return value[end:]
+        return value[end:end + self.slot_bytes]
 
     def record_hit(self, n_tokens: int) -> None:
         with self._lock:

@@ -93,6 +93,10 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--redis-url", default=None,
                    help="a Redis shared with other gateways: stored blocks are written there "
                         "and a local miss looks there first (e.g. redis://redis:6379/0)")
+    p.add_argument("--redis-key", default=None,
+                   help="a secret every Redis value is signed with (HMAC-SHA256); values that "
+                        "do not verify are misses. Without it, whoever can write to the Redis "
+                        "can plant KV (better set PREFIXGATE_REDIS_KEY than the flag)")
     p.add_argument("--redis-timeout", type=float, default=TierConfig.timeout,
                    help="seconds a Redis lookup may add to a request")
     p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,
@@ -195,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                                   args.balance_rel_threshold),
             max_queue=args.max_queue, cache_dir=args.cache_dir,
             pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
-            redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl)
+            redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
+                             key=args.redis_key.encode() if args.redis_key else None)
             if args.redis_url else None,
             log_level=args.log_level),
         host=args.host,

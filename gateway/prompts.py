@@ -44,8 +44,11 @@ class PromptBuilder:
                 else:
                     turns.insert(0, {"role": "system", "content": toolbox.system_text()})
             rendered = self._formatter(messages=turns)
-        # The template writes any BOS itself, and its special tokens must parse as such.
-        return self.model.tokenize(rendered.prompt, add_special=False, parse_special=True)
+        # The template writes any BOS itself, and its special tokens must parse as such. A named
+        # call's head follows, as the start of the answer.
+        head = toolbox.answer_head() if toolbox is not None else ""
+        return self.model.tokenize(rendered.prompt + head, add_special=False,
+                                   parse_special=True)
 
     def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -114,7 +114,7 @@ class ChatWriter(ResponseWriter):
         if call is None:
             return {}
         return {"message": {"role": "assistant", "content": None,
-                            "tool_calls": [call.body()]}, "finish_reason": "tool_calls"}
+                            "tool_calls": [call.body()]}, "finish_reason": call.finish_reason}
 
     def tool_call_chunks(self, call: ToolCall, index: int) -> list[dict]:
         """A call streamed as the SDK's accumulator expects it: id, type and name first, then
@@ -127,7 +127,7 @@ class ChatWriter(ResponseWriter):
                   {}]
         return [self._envelope(self.chunk_object_name, [{
             "index": index, "delta": delta, "logprobs": None,
-            "finish_reason": "tool_calls" if not delta else None}]) for delta in deltas]
+            "finish_reason": call.finish_reason if not delta else None}]) for delta in deltas]
 
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         """OpenAI's chat shape: content[] of token, logprob, bytes and top_logprobs."""

@@ -501,7 +501,7 @@ async def _collect(handles: list[GenerationHandle], writer: ResponseWriter, time
         raise _timed_out(timeout) from None
     if toolbox is not None:
         for choice in choices:
-            choice.tool_call = toolbox.parse(choice.text)
+            choice.tool_call = toolbox.parse(choice.text, choice.finish_reason)
     return _json(writer.whole(choices, _total_usage(choices)))
 
 
@@ -559,7 +559,7 @@ async def _finish_stream(request: web.Request, response: web.StreamResponse,
 async def _finish_tool_choice(response: web.StreamResponse, writer: ChatWriter,
                               toolbox: Toolbox, choice: Choice, index: int, output: Output,
                               include_usage: bool) -> None:
-    call = toolbox.parse(choice.text)
+    call = toolbox.parse(choice.text, output.finish_reason)
     if call is not None:
         for chunk in writer.tool_call_chunks(call, index):
             await _event(response, chunk)

@@ -130,3 +130,37 @@ def test_redis_going_away_costs_a_miss_not_a_request(redis_url, model_path, mode
         server.settled()
     finally:
         server.stop()
+
+
+def test_with_a_redis_key_only_values_signed_with_it_are_loaded(redis_url, model_path,
+                                                                 model_name):
+    """A writer without the key cannot plant KV: a value whose KV bytes were changed (its
+    tokens and fingerprint intact, all an unsigned tier checks) is a miss, and so is anything
+    written under another key."""
+    url, _ = redis_url
+    client = redis.Redis.from_url(url)
+    signed = ("--redis-url", url, "--redis-key", "the-tier-secret")
+    writer = GatewayProcess(model_path, *DETERMINISTIC_ARGS, *signed)
+    try:
+        text, usage = ask(openai_client(writer), model_name, system_chat(QUESTION, SYSTEM))
+        wait_stored(writer, usage.prompt_tokens // 64)
+    finally:
+        writer.stop()
+    other = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url, "--redis-key",
+                           "another-secret")
+    try:
+        _, usage = ask(openai_client(other), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8
+        assert tier(other, "errors")["redis"] >= 1 and tier(other, "hits")["redis"] == 0
+    finally:
+        other.stop()
+    for key in client.keys("prefixgate:*"):
+        value = client.get(key)
+        client.set(key, value[:-100] + bytes([value[-100] ^ 0xFF]) + value[-99:])
+    reader = GatewayProcess(model_path, *DETERMINISTIC_ARGS, *signed)
+    try:
+        again, usage = ask(openai_client(reader), model_name, system_chat(QUESTION, SYSTEM))
+        assert usage.prompt_tokens_details.cached_tokens < 8 and again == text
+        assert tier(reader, "errors")["redis"] >= 1 and tier(reader, "hits")["redis"] == 0
+    finally:
+        reader.stop()

@@ -87,3 +87,30 @@ def test_tool_choice_none_and_unknown_names(client, model_name):
                                                     "function": {"name": "nope"}},
                                        max_tokens=8)
     assert raised.value.body["param"] == "tool_choice"
+
+
+def test_a_named_call_of_two_short_fields_fits_in_20_tokens(client, model_name):
+    """The model writes only the arguments; the gateway writes the call around them. (Before,
+    the model wrote the wrapper too: 25 tokens, and nothing came back at 24.)"""
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                       tool_choice=NAMED, max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens <= 20
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    validate(call, [WEATHER])
+
+
+def test_a_named_call_cut_short_comes_back_as_openai_returns_it(client, model_name):
+    """tool_calls with the arguments as far as they got and finish_reason length: never the
+    call's JSON as content."""
+    whole = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                           tool_choice=NAMED, max_tokens=20, temperature=0)
+    cut = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                         tool_choice=NAMED, max_tokens=3, temperature=0)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments
+    full = whole.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(full)  # the whole one parses; the cut one is where it stopped
+    assert call.function.arguments.replace(" ", "") in full.replace(" ", "")
