@@ -289,7 +289,7 @@ def test_what_an_abandoned_request_generated_is_charged(model_path, model_name, 
         stream.close()
         server.wait_idle()
         with pytest.raises(openai.RateLimitError):
-            client.completions.create(model=model_name, prompt="tokens and more " * 75,
+            client.completions.create(model=model_name, prompt="tokens and more " * 100,
                                       max_tokens=1)
     finally:
         server.stop()
