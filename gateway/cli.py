@@ -79,6 +79,9 @@ def _workers(p: argparse._ArgumentGroup) -> None:
                         "requests...")
     p.add_argument("--balance-rel-threshold", type=float, default=RoutingConfig.balance_rel,
                    help="...and this many times as many")
+    p.add_argument("--step-timeout", type=float, default=WorkersConfig.step_timeout,
+                   help="seconds a worker with requests in flight may send nothing before it "
+                        "counts as stuck and is killed and replaced (0: never)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
 
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                                   args.balance_rel_threshold),
             max_queue=args.max_queue, cache_dir=args.cache_dir,
+            step_timeout=args.step_timeout or None,
             pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
             redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
                              key=args.redis_key.encode() if args.redis_key else None)

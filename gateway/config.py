@@ -24,6 +24,9 @@ class WorkersConfig:
     pin_budget_mb: int | None = None  # pinned blocks at most; None: a quarter of the pool
     pin_hours: float = 24.0  # how long prompt_cache_retention "24h" pins (shorter in tests)
     log_level: str = "info"
+    # A worker with requests in flight that sends nothing for this long is stuck (inside
+    # llama.cpp, say): killed and replaced. None: never. A step here takes 2 s at the most.
+    step_timeout: float | None = 120.0
 
 
 @dataclass(frozen=True)

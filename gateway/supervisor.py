@@ -77,6 +77,7 @@ class WorkerProcess:
     # Set by its reader thread once the process is reaped. Only that thread joins it: two
     # threads waiting on one child race, and the loser saw a reaped worker as alive.
     exited: threading.Event = field(default_factory=threading.Event)
+    last_heard: float = field(default_factory=time.monotonic)  # its last message, or since busy
 
     def send(self, message) -> None:
         """From the event loop or a reader thread; a dead worker's reader handles the fallout."""
@@ -119,6 +120,24 @@ class Workers:
         if self.failure:
             raise RuntimeError(self.failure)
         self._started = True
+        if self.config.step_timeout:
+            threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Kills a worker that has requests in flight and has said nothing for step_timeout:
+        its reader then sees it exit, its requests get a 503 and a replacement starts."""
+        timeout = self.config.step_timeout
+        while not self._stopping:
+            time.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            with self._lock:
+                stuck = [w for w in self._workers if w.state == "ready" and w.requests
+                         and now - w.last_heard > timeout]
+            for worker in stuck:
+                log.error("worker %d sent nothing for %.0f s with %d requests in flight "
+                          "(stuck?); killing it for a replacement", worker.worker_id, timeout,
+                          len(worker.requests))
+                worker.process.kill()
 
     def _spawn(self, worker_id: int, restarts: int = 0) -> WorkerProcess:
         ours, theirs = self._mp.Pipe(duplex=True)
@@ -194,6 +213,8 @@ class Workers:
                     chosen, reason = owner, "cache_key"
                 self.affinity.record(namespace, cache_key, chosen.worker_id)
             worker = next(w for w in ready if w.worker_id == chosen.worker_id)
+            if not worker.requests:  # idle until now: silence so far meant nothing
+                worker.last_heard = time.monotonic()
             ids, handles = [next(self._ids) for _ in requests], []
             for request_id in ids:
                 handles.append(GenerationHandle(
@@ -216,6 +237,7 @@ class Workers:
         while True:
             try:
                 message = worker.channel.recv()
+                worker.last_heard = time.monotonic()
             except (EOFError, OSError):
                 break
             except Exception:  # a stream it cannot read: nobody would hear the worker again

@@ -249,3 +249,29 @@ def test_a_clean_shutdown_never_kills_a_worker_that_is_exiting(model_path):
         server.stop()
         log = server.log_path.read_text()
         assert "did not stop" not in log and log.count("stopped") >= 2
+
+
+def test_a_stuck_worker_is_detected_killed_and_replaced(model_path, model_name):
+    """SIGSTOP: the worker is there but says nothing, as one stuck inside llama.cpp would. Past
+    --step-timeout its request gets a 503 and a replacement serves. (Before, it stayed in
+    service, its requests hanging until their own timeout.)"""
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--step-timeout", "3")
+    try:
+        wait_for_health(server, "ok")
+        pid = server.health()[1]["workers"][0]["pid"]
+        started, events = threading.Event(), []
+        reader = threading.Thread(target=stream_events, args=(
+            server, model_name, "Tell a long story.", started, events), daemon=True)
+        reader.start()
+        assert started.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        reader.join(30)
+        assert not reader.is_alive() and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_unavailable"
+        body = wait_for_health(server, "ok", timeout=60)
+        assert body["workers"][0]["restarts"] == 1 and body["workers"][0]["pid"] != pid
+        assert complete(openai_client(server), model_name, "Hello", max_tokens=4)
+        server.settled()
+    finally:
+        server.stop()
