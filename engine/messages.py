@@ -127,6 +127,7 @@ class EngineSnapshot:
 @dataclass(frozen=True)
 class Attach:
     arena_path: str | None  # None: no prefix cache
+    fingerprint: str | None = None  # what the arena's header must say (see Ready)
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,9 @@ class Ready:
     pid: int
     seq_len: int  # tokens one request may hold
     cells_total: int
-    layout: KVLayout | None  # None: this worker caches nothing
-    fingerprint: str | None
+    # None: this worker caches nothing. The gateway adds the model's fingerprint to it, hashed
+    # once for every worker (the whole GGUF: a pass over the file per worker otherwise).
+    layout: KVLayout | None
 
 
 @dataclass(frozen=True)

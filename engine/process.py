@@ -21,10 +21,9 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from cache.arena import BlockArena
-from cache.fingerprint import gguf_fingerprint
 from engine.batching import Engine
 from engine.config import EngineConfig
-from engine.llama import Model, openmp_build, runtime_version
+from engine.llama import Model, openmp_build
 from engine.messages import (
     Attach,
     Cancel,
@@ -67,11 +66,6 @@ def _worth_publishing(snapshot: EngineSnapshot,
         return False
     return (not snapshot.running or (snapshot.running, snapshot.waiting)
             != (sent.running, sent.waiting) or time.monotonic() - sent_at >= PUBLISH_EVERY)
-
-
-def kv_fingerprint(model_path: str, engine: Engine) -> str:
-    """What guards the arena: the model's content, the llama.cpp build and the KV layout."""
-    return engine.kv_layout.fingerprint(f"{gguf_fingerprint(model_path)}/{runtime_version()}")
 
 
 @dataclass
@@ -151,11 +145,10 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
                     "CMAKE_ARGS=-DGGML_OPENMP=OFF")
     model = Model(model_path)
     engine = Engine(model, config, on_publish=publish)
-    fingerprint = kv_fingerprint(model_path, engine) if engine.kv_layout else None
-    link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout,
-                    fingerprint))
+    link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout))
     attach: Attach = conn.recv()
-    arena = BlockArena.attach(attach.arena_path, fingerprint) if attach.arena_path else None
+    arena = (BlockArena.attach(attach.arena_path, attach.fingerprint) if attach.arena_path
+             else None)
     if arena is not None:
         engine.use_cache(arena, RemoteIndex(link))
     engine.start()

@@ -14,9 +14,12 @@ import numpy as np
 
 from cache import persistence
 from cache.arena import HEADER_BYTES, ArenaHeader, BlockArena, default_arena_path
+from cache.fingerprint import gguf_fingerprint
 from cache.index import CacheIndex
+from cache.kv_codec import KVLayout
 from cache.redis_tier import RedisTier, TierStats
 from cache.tokens import reusable_prompt
+from engine.llama import runtime_version
 from engine.messages import (
     CommitStore,
     GenerationRequest,
@@ -45,12 +48,19 @@ class TierHits:
         return sum(self.by_tier.values())
 
 
+def kv_fingerprint(model_path: str, layout: KVLayout) -> str:
+    """What guards the arena and the tier's keys: the model's content, the llama.cpp build and
+    the KV layout."""
+    return layout.fingerprint(f"{gguf_fingerprint(model_path)}/{runtime_version()}")
+
+
 class SharedPool:
     def __init__(self, config: WorkersConfig, ready: Ready) -> None:
         self.config = config
-        self.arena = _create_arena(config, ready)
+        self.fingerprint = kv_fingerprint(config.model_path, ready.layout)
+        self.arena = _create_arena(config, ready, self.fingerprint)
         header = self.arena.header
-        self.tier = (RedisTier(config.redis, ready.fingerprint, header.slot_bytes)
+        self.tier = (RedisTier(config.redis, self.fingerprint, header.slot_bytes)
                      if config.redis is not None else None)
         budget = config.pin_budget_mb
         self.index = CacheIndex(
@@ -151,7 +161,7 @@ class SharedPool:
         self.arena.close()
 
 
-def _create_arena(config: WorkersConfig, ready: Ready) -> BlockArena:
+def _create_arena(config: WorkersConfig, ready: Ready, fingerprint: str) -> BlockArena:
     cache = config.engine.cache
     slot_bytes = ready.layout.block_bytes(cache.block_size)
     n_slots = ((cache.budget_mb << 20) - HEADER_BYTES) // slot_bytes
@@ -159,7 +169,7 @@ def _create_arena(config: WorkersConfig, ready: Ready) -> BlockArena:
         raise ValueError(f"a cache budget of {cache.budget_mb} MiB holds no "
                          f"{slot_bytes}-byte block")
     arena = BlockArena.create(config.arena_path or default_arena_path(),
-                              ArenaHeader(ready.fingerprint, slot_bytes, n_slots,
+                              ArenaHeader(fingerprint, slot_bytes, n_slots,
                                           cache.block_size))
     log.info("prefix cache: %d blocks of %d tokens (%.1f MiB each) in %s", n_slots,
              cache.block_size, slot_bytes / 2**20, arena.path)

@@ -283,7 +283,8 @@ class Workers:
         with self._lock:
             self.seq_len = ready.seq_len
             worker.snapshot = EngineSnapshot(cells_total=ready.cells_total)
-        worker.send(Attach(str(pool.arena.path) if pool and ready.layout else None))
+        worker.send(Attach(str(pool.arena.path), pool.fingerprint) if pool and ready.layout
+                    else Attach(None))
         with self._lock:
             worker.state = "ready"
         self._any_ready.set()

@@ -7,6 +7,7 @@ import pytest
 
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
+from tests.test_errors import call
 
 HELLO = [{"role": "user", "content": "Say hello to the world."}]
 
@@ -178,23 +179,10 @@ def test_tokenize_and_detokenize_as_llama_server_has_them(gateway, local_model):
 def test_tokenize_and_detokenize_are_bounded(gateway):
     """No more tokens than a prompt may have (at least 64k): beyond, a 400 before the work that
     would hold the event loop. (Before, any size went through, and froze every stream.)"""
-    import json
-    import urllib.error
-    import urllib.request
-
-    def status(path: str, body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(gateway.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    code, body = status("/detokenize", {"tokens": [1] * 70_000})
+    code, body = call(gateway, "/detokenize", {"tokens": [1] * 70_000})
     assert code == 400 and body["error"]["param"] == "tokens"
-    code, body = status("/detokenize", {"tokens": [12345] * 1_000_000})  # 7 MB of ids
+    code, body = call(gateway, "/detokenize", {"tokens": [12345] * 1_000_000})  # 7 MB of ids
     assert code == 400 and body["error"]["param"] == "tokens"
-    code, body = status("/tokenize", {"content": "a " * 70_000, "with_pieces": True})
+    code, body = call(gateway, "/tokenize", {"content": "a " * 70_000, "with_pieces": True})
     assert code == 400 and body["error"]["param"] == "content"
-    assert status("/detokenize", {"tokens": [1] * 1000})[0] == 200
+    assert call(gateway, "/detokenize", {"tokens": [1] * 1000})[0] == 200

@@ -14,6 +14,7 @@ from cache.arena import ArenaHeader, BlockArena, default_arena_path
 from cache.index import CacheIndex
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
+from tests.test_fingerprint import flipped
 from tests.test_prefix_cache import ask, system_chat
 
 SYSTEM = "You are the archivist of the lighthouse on Bengtskär. Answer in one sentence. " * 8
@@ -83,24 +84,20 @@ def test_a_snapshot_of_other_weights_with_the_same_header_is_refused(model_path,
     other = tmp_path / "other" / model_path.name
     other.parent.mkdir()
     shutil.copyfile(model_path, other)
-    with open(other, "r+b") as f:
-        f.seek(-100, 2)
-        byte = f.read(1)
-        f.seek(-100, 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
     args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(tmp_path / "cache"))
     first = GatewayProcess(model_path, *args)
     try:
         ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
     finally:
         first.stop()
-    second = GatewayProcess(other, *args)
-    try:
-        _, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))
-        assert usage.prompt_tokens_details.cached_tokens < 8
-        assert "written for another fingerprint" in second.log_path.read_text()
-    finally:
-        second.stop()
+    with flipped(other, other.stat().st_size - 100):
+        second = GatewayProcess(other, *args)
+        try:
+            _, usage = ask(openai_client(second), model_name, system_chat(QUESTION, SYSTEM))
+            assert usage.prompt_tokens_details.cached_tokens < 8
+            assert "written for another fingerprint" in second.log_path.read_text()
+        finally:
+            second.stop()
 
 
 def test_the_snapshot_holds_the_bytes_of_the_blocks_it_lists(tmp_path):
