@@ -83,9 +83,10 @@ StoredHook = Callable[[bytes, np.ndarray, int], None]
 
 class CacheIndex:
     def __init__(self, n_slots: int, block_size: int,
-                 on_stored: StoredHook | None = None, pin_budget: int | None = None) -> None:
+                 on_stored: StoredHook | None = None, pin_budget: int | None = None,
+                 namespace_share: float = 1.0) -> None:
         self.pool = BlockPool(n_slots, block_size)
-        self.tree = RadixTree(self.pool, pin_budget)
+        self.tree = RadixTree(self.pool, pin_budget, namespace_share=namespace_share)
         self.block_size = block_size
         self._lock = threading.Lock()  # calls come from every worker's reader thread
         self._ids = itertools.count(1)
@@ -130,7 +131,7 @@ class CacheIndex:
             prefix = self.tree.match(tokens[:begin], space)
             slots = []
             for _ in range(math.ceil((len(tokens) - begin) / bs)):
-                slot = self.tree.allocate()
+                slot = self.tree.allocate(space)
                 if slot is None:
                     break
                 slots.append(slot)
@@ -181,17 +182,19 @@ class CacheIndex:
         """Stores blocks that come from outside the workers (a snapshot on disk, the Redis
         tier): `block_bytes(start, end)` gives the bytes of the block of tokens[start:end), or
         None to stop there. Returns how many tokens of `tokens` the tree holds afterwards."""
+        space = namespace.encode()
+
         def fill(start: int, end: int) -> int | None:
             data = block_bytes(start, end)
             if data is None:
                 return None
-            slot = self.tree.allocate()
+            slot = self.tree.allocate(space)
             if slot is not None:
                 arena.block(slot)[:] = np.frombuffer(data, np.uint8)
             return slot
 
         with self._lock:
-            path, _ = self.tree.insert(tokens, fill, namespace.encode())
+            path, _ = self.tree.insert(tokens, fill, space)
             n = path.n_tokens
             self.tree.release(path)
             return n

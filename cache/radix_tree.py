@@ -15,8 +15,14 @@ Invariants (checked by the property tests):
   still compared on every hit, so a hash collision can never serve another prompt's KV. No two
   nodes share a key.
 - Eviction takes the least recently used leaf that only the tree references; its parent may become
-  such a leaf in turn. Touching a path moves the leaf first, so ancestors stay more recent than
-  their descendants and the LRU order meets leaves first.
+  such a leaf in turn. Touching a path stamps the leaf first, so ancestors stay more recent than
+  their descendants. Every such leaf that is not pinned waits in its namespace's eviction queue
+  under its latest stamp, so that eviction never scans past blocks in use or pinned (the role
+  of vLLM's free-block queue; a heap, because a parent that becomes a leaf keeps its old place).
+- A namespace past its share of the pool (`namespace_share`) makes room from its own leaves
+  first, and an allocation of any other namespace takes from those past their share before
+  anyone else: one tenant's flood cannot empty the pool of every other tenant's prefixes,
+  while free slots stay usable by whoever needs them.
 - No block only the tree references is a strict prefix of a sibling: its longer copy serves it.
 - A pinned block (`prompt_cache_retention`) is never evicted before its pin expires; pins cover
   whole paths, so a pinned leaf's ancestors are pinned too, and at most `pin_budget` blocks are
@@ -26,6 +32,9 @@ Invariants (checked by the property tests):
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -49,10 +58,13 @@ class Node:
     slot: int
     parent: Node | None
     namespace: bytes = b""
+    depth: int = 0  # blocks from the root
     children: dict[int, list[Node]] = field(default_factory=dict)  # by first token
     hits: int = 0  # matches that used this block
     last_used: float = 0.0  # wall-clock time of the last match or store
     pinned_until: float = 0.0  # wall-clock time until which eviction passes it by
+    stamp: int = 0  # recency order: a later touch gives a larger stamp
+    queued: int = 0  # the stamp it waits under in the eviction queue, 0 when it does not
 
     def path_tokens(self) -> np.ndarray:
         """Every token from the root to the end of this block."""
@@ -80,17 +92,24 @@ class Match:
 
 class RadixTree:
     def __init__(self, pool: BlockPool, pin_budget: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, namespace_share: float = 1.0) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.pin_budget = pool.n_slots // 4 if pin_budget is None else pin_budget
+        self.namespace_quota = math.ceil(namespace_share * pool.n_slots)  # blocks
         self.clock = clock
         self.pin_fallbacks = 0  # pins dropped to stay within the budget
-        self._pins: dict[Node, None] = {}
+        self.evictions = 0
         self._roots: dict[bytes, Node] = {}
         self._index: dict[bytes, Node] = {}
-        self._lru: OrderedDict[Node, None] = OrderedDict()
-        self.evictions = 0
+        self._lru: OrderedDict[Node, None] = OrderedDict()  # every block, for listings
+        self._stamps = itertools.count(1)
+        self._blocks: Counter[bytes] = Counter()  # per namespace
+        self._eviction_queue: dict[bytes, list[tuple[int, Node]]] = {}  # heaps by stamp
+        self._pins: dict[Node, None] = {}
+        self._pins_per_namespace: Counter[bytes] = Counter()
+        # Heaps by (pin end, deepest first): the order in which pins expire or give way.
+        self._pin_queue: dict[bytes, list[tuple[float, int, int, Node]]] = {}
 
     def __len__(self) -> int:
         return len(self._index)
@@ -198,6 +217,8 @@ class RadixTree:
                 else None
             if longer is not None:
                 self._supersede(node, longer)
+            else:
+                self._offer(node)
         match.nodes = []
 
     def _new_node(self, parent: Node, chunk: np.ndarray, start: int,
@@ -208,11 +229,13 @@ class RadixTree:
         slot = fill(start, start + len(chunk))
         if slot is None:
             return None
-        node = Node(chunk.copy(), key, slot, parent, parent.namespace)
+        node = Node(chunk.copy(), key, slot, parent, parent.namespace, parent.depth + 1,
+                    stamp=next(self._stamps))
         self.pool.retain(slot)  # one reference for the tree, one for the inserting caller
         parent.children.setdefault(int(chunk[0]), []).append(node)
         self._index[key] = node
         self._lru[node] = None
+        self._blocks[node.namespace] += 1
         self._drop_superseded(parent, node)
         return node
 
@@ -227,15 +250,15 @@ class RadixTree:
     def _supersede(self, shorter: Node, longer: Node) -> None:
         """Drops `shorter` for the copy that holds all of it; its pin moves along."""
         if shorter.pinned_until > longer.pinned_until:
-            longer.pinned_until = shorter.pinned_until
-            self._pins[longer] = None
+            self._pin(longer, shorter.pinned_until)
         shorter.pinned_until = 0.0  # the pin lives on in the longer copy
         self._remove(shorter)
 
-    def allocate(self) -> int | None:
-        """A free slot with one reference, evicting least recently used blocks to make room."""
+    def allocate(self, namespace: bytes = b"") -> int | None:
+        """A free slot with one reference, evicting least recently used blocks to make room
+        for a block of `namespace`."""
         slot = self.pool.allocate()
-        while slot is None and self._evict_one():
+        while slot is None and self._evict_one(namespace):
             slot = self.pool.allocate()
         return slot
 
@@ -244,29 +267,54 @@ class RadixTree:
         Returns how many pins fell back to LRU to stay within the budget."""
         path, _ = self._walk(tokens, namespace)
         for node in path:
-            node.pinned_until = max(node.pinned_until, until)
-            self._pins[node] = None
-        now, dropped = self.clock(), 0
-        for node in [n for n in self._pins if n.pinned_until <= now]:
-            self._unpin(node)
+            self._pin(node, until)
+        self._expire_pins()
+        dropped = 0
         while len(self._pins) > self.pin_budget:
             self._unpin(self._pin_to_give_up())
             dropped += 1
         self.pin_fallbacks += dropped
         return dropped
 
+    def _pin(self, node: Node, until: float) -> None:
+        if node in self._pins and node.pinned_until >= until:
+            return
+        if node not in self._pins:
+            self._pins[node] = None
+            self._pins_per_namespace[node.namespace] += 1
+        node.pinned_until = until
+        queue = self._pin_queue.setdefault(node.namespace, [])
+        heapq.heappush(queue, (until, -node.depth, next(self._stamps), node))
+        if len(queue) > 2 * self._pins_per_namespace[node.namespace] + 64:
+            queue[:] = [e for e in queue if self._pin_entry_valid(e)]
+            heapq.heapify(queue)
+
+    def _pin_entry_valid(self, entry: tuple[float, int, int, Node]) -> bool:
+        return entry[3] in self._pins and entry[3].pinned_until == entry[0]
+
+    def _next_pin(self, namespace: bytes) -> Node | None:
+        """The namespace's pin that expires first, deepest first among equals."""
+        queue = self._pin_queue.get(namespace, [])
+        while queue and not self._pin_entry_valid(queue[0]):
+            heapq.heappop(queue)
+        return queue[0][3] if queue else None
+
+    def _expire_pins(self) -> None:
+        now = self.clock()
+        for namespace in list(self._pin_queue):
+            while (node := self._next_pin(namespace)) is not None and node.pinned_until <= now:
+                self._unpin(node)
+
     def _pin_to_give_up(self) -> Node:
         """Past the budget: a pin of the namespace that holds the most (one tenant's pins
         cannot push out every other's), expiring first, and the deepest of its path first,
         so that what stays pinned is a prefix: a pinned leaf under unpinned ancestors would
-        keep the whole path from eviction, since only leaves are evicted."""
-        per_namespace = Counter(node.namespace for node in self._pins)
-        return min(self._pins, key=lambda n: (-per_namespace[n.namespace], n.pinned_until,
-                                              self._has_pinned_child(n)))
-
-    def _has_pinned_child(self, node: Node) -> bool:
-        return any(child in self._pins for siblings in node.children.values()
-                   for child in siblings)
+        keep the whole path from eviction, since only leaves are evicted. (A pin covers its
+        whole path and extends, never shortens, so an ancestor's pin never ends earlier.)"""
+        namespace, _ = self._pins_per_namespace.most_common(1)[0]
+        node = self._next_pin(namespace)
+        assert node is not None
+        return node
 
     @property
     def n_pinned(self) -> int:
@@ -275,18 +323,67 @@ class RadixTree:
 
     def _unpin(self, node: Node) -> None:
         node.pinned_until = 0.0
-        self._pins.pop(node, None)
+        self._forget_pin(node)
+        self._offer(node)
+
+    def _forget_pin(self, node: Node) -> None:
+        if self._pins.pop(node, 0) is None:
+            self._pins_per_namespace[node.namespace] -= 1
+            if not self._pins_per_namespace[node.namespace]:
+                del self._pins_per_namespace[node.namespace]
 
     def _pinned(self, node: Node) -> bool:
         return node.pinned_until > self.clock()
 
-    def _evict_one(self) -> bool:
-        for node in self._lru:
-            if self._evictable(node) and not self._pinned(node):
-                self._remove(node)
-                self.evictions += 1
-                return True
-        return False
+    def _evict_one(self, namespace: bytes) -> bool:
+        """Evicts the least recently used unpinned leaf nobody holds: `namespace`'s own when
+        it is at its share, else one of a namespace past its share, else anyone's."""
+        self._expire_pins()
+        over = [n for n, count in self._blocks.items() if count > self.namespace_quota]
+        victim = None
+        if self._blocks[namespace] >= self.namespace_quota:
+            victim = self._lru_leaf(namespace)
+        if victim is None and over:
+            victim = self._oldest_leaf(over)
+        if victim is None:
+            victim = self._oldest_leaf(list(self._eviction_queue))
+        if victim is None:
+            return False
+        self._remove(victim)
+        self.evictions += 1
+        return True
+
+    def _oldest_leaf(self, namespaces: list[bytes]) -> Node | None:
+        leaves = [leaf for n in namespaces if (leaf := self._lru_leaf(n)) is not None]
+        return min(leaves, key=lambda leaf: leaf.stamp, default=None)
+
+    def _lru_leaf(self, namespace: bytes) -> Node | None:
+        """The head of the namespace's eviction queue, after dropping what no longer belongs
+        there: blocks touched since they were queued (queued again under their new stamp),
+        removed, held again, given a child, or pinned (queued again when unpinned)."""
+        queue = self._eviction_queue.get(namespace, [])
+        while queue:
+            stamp, node = queue[0]
+            if stamp == node.stamp and self._index.get(node.key) is node \
+                    and self._evictable(node) and not self._pinned(node):
+                return node
+            heapq.heappop(queue)
+            if node.queued == stamp:
+                node.queued = 0
+        return None
+
+    def _offer(self, node: Node) -> None:
+        """Queues a block for eviction if it has just become a candidate."""
+        if node.parent is None or node.queued == node.stamp or not self._evictable(node) \
+                or self._pinned(node) or self._index.get(node.key) is not node:
+            return
+        node.queued = node.stamp
+        queue = self._eviction_queue.setdefault(node.namespace, [])
+        heapq.heappush(queue, (node.stamp, node))
+        if len(queue) > 2 * self._blocks[node.namespace] + 64:  # drop entries gone stale
+            queue[:] = [(s, n) for s, n in queue
+                        if n.queued == s and self._index.get(n.key) is n]
+            heapq.heapify(queue)
 
     def _evictable(self, node: Node) -> bool:
         return not node.children and self.pool.refcounts[node.slot] == 1
@@ -298,8 +395,10 @@ class RadixTree:
             del node.parent.children[int(node.tokens[0])]
         del self._index[node.key]
         del self._lru[node]
-        self._pins.pop(node, None)
+        self._blocks[node.namespace] -= 1
+        self._forget_pin(node)
         self.pool.release(node.slot)
+        self._offer(node.parent)
 
     def _child(self, parent: Node, chunk: np.ndarray) -> Node | None:
         node = self._index.get(self._key(parent, chunk))
@@ -339,11 +438,15 @@ class RadixTree:
                 found.append(f"block {node.slot} is not among its parent's children")
             if self._evictable(node) and self._longer_copy(node.parent, node.tokens):
                 found.append(f"block {node.slot} is an unheld strict prefix of a sibling")
+            if self._evictable(node) and node not in self._pins and node.queued != node.stamp:
+                found.append(f"block {node.slot} can be evicted but is not queued")
         for slot, n in held.items():
             expected[slot] += n
         for slot in np.flatnonzero(expected != self.pool.refcounts):
             found.append(f"slot {slot}: {self.pool.refcounts[slot]} references, expected "
                          f"{expected[slot]}")
+        if +self._blocks != Counter(node.namespace for node in self._index.values()):
+            found.append("the per-namespace block counts are wrong")
         if len(self._lru) != len(self._index):
             found.append(f"{len(self._lru)} blocks in the LRU list, {len(self._index)} in the tree")
         if self.pool.n_used != int((self.pool.refcounts > 0).sum()):
@@ -355,6 +458,7 @@ class RadixTree:
         for node in reversed(path):
             self._lru.move_to_end(node)
             node.last_used = now
+            node.stamp = next(self._stamps)
 
 
 def _block_key(parent_key: bytes, chunk: np.ndarray) -> bytes:

@@ -124,7 +124,11 @@ class Engine:
         shape = config.context_shape()
         # Tokens one request may hold: the whole pool when it is shared, else one stream.
         per_sequence = shape.n_ctx if self.unified else shape.n_ctx // shape.n_seq_max
-        self.seq_len = min(per_sequence, model.n_ctx_train)
+        self.seq_len = per_sequence if config.beyond_training else \
+            min(per_sequence, model.n_ctx_train)
+        if self.seq_len > model.n_ctx_train:
+            log.warning("requests of up to %d tokens, past the model's training context of %d: "
+                        "quality may drop beyond it", self.seq_len, model.n_ctx_train)
         self.ctx = Context(model, shape)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
@@ -321,6 +325,7 @@ class Engine:
                                 have=seq.n_past)
         except Exception:  # the cache is an optimisation: compute the prompt instead
             log.exception("loading cached blocks failed; computing the prompt")
+            self.cache.stats.load_failures += 1
             return
         finally:
             self._drop_holds(seq)
@@ -429,7 +434,8 @@ class Engine:
                                                request.logprobs))
         text = seq.text.push(self.model.token_piece(token))
         if seq.text.stopped:
-            self._finish(seq, Output(text=text, finish_reason="stop"))
+            self._finish(seq, Output(text=text, finish_reason="stop",
+                                     stop_sequence=seq.text.stop_string))
         elif seq.n_generated >= request.max_tokens:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
         else:
@@ -448,10 +454,9 @@ class Engine:
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=seq.n_generated, cached_tokens=seq.cached)
         self._release(seq)  # before the client hears the end, so nothing of it is left then
-        seq.handle.deliver(Output(output.text, output.finish_reason, usage, output.error,
-                                  output.unavailable,
-                                  tuple(seq.tokens[len(seq.request.prompt_tokens):]),
-                                  _take(seq.logprobs)))
+        seq.handle.deliver(dataclasses.replace(
+            output, usage=usage, generated=tuple(seq.tokens[len(seq.request.prompt_tokens):]),
+            logprobs=_take(seq.logprobs)))
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:

@@ -31,6 +31,9 @@ class ContextShape:
 class EngineConfig:
     parallel: int = 8  # sequences decoded together
     ctx_size: int = 16384  # KV cells of all sequences together
+    # An explicit --ctx-size: one request may then go past the model's training context (with
+    # a warning, as llama-server allows); the default caps requests at it.
+    beyond_training: bool = False
     # Tokens per llama_decode call: decodes first, prefill chunks after. 512 is llama-cpp-python's
     # n_batch, so that a request alone is prefilled in the same chunks and gets the same logits.
     batch_tokens: int = 512

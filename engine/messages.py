@@ -82,6 +82,7 @@ class Output:
 
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | None while generating
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
     usage: Usage | None = None
     error: str | None = None
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
@@ -101,6 +102,7 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # prompt tokens loaded from the pool instead of computed
     store_failures: int = 0  # stores that raised: the request ran on, uncached
+    load_failures: int = 0  # loads llama.cpp refused (no free cells): the prompt was computed
     loads: int = 0
     load_seconds: float = 0.0  # assembling and loading matched blocks into sequences
     stores: int = 0

@@ -14,7 +14,11 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
-        self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
     def push(self, piece: bytes) -> str:
         """Feed one token's bytes; returns the text that is now safe to emit. After a stop string
@@ -22,9 +26,9 @@ class TextStream:
         if self.stopped:
             return ""
         text = self._held + self._decoder.decode(piece)
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
+        found = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.stop_string = min(found, key=lambda hit: hit[0])
             self._held = ""
             return text[:cut]
         keep = self._longest_stop_prefix_suffix(text)

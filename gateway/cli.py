@@ -12,7 +12,7 @@ from pathlib import Path
 from cache.redis_tier import TierConfig
 from engine.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
 from gateway.auth import KeyFileError, KeyRing
-from gateway.config import Limits, WorkersConfig
+from gateway.config import Limits, SamplingDefaults, WorkersConfig
 from gateway.ratelimit import RateLimits
 from gateway.router import POLICIES, RoutingConfig
 
@@ -20,6 +20,7 @@ from gateway.router import POLICIES, RoutingConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
     _model_and_server(p.add_argument_group("model and server"))
+    _sampling(p.add_argument_group("sampling defaults (for requests that leave them out)"))
     _engine(p.add_argument_group("engine (each worker's llama.cpp context)"))
     _workers(p.add_argument_group("worker processes and routing"))
     _prefix_cache(p.add_argument_group("prefix cache and its tiers"))
@@ -39,12 +40,24 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
                    help="a Jinja chat template to use instead of the GGUF's own")
 
 
+def _sampling(p: argparse._ArgumentGroup) -> None:
+    defaults = SamplingDefaults()
+    p.add_argument("--temperature", "--temp", type=float, default=defaults.temperature,
+                   help="agent clients (Claude Code, Codex) send none: set the model's "
+                        "recommended value here (0: greedy)")
+    p.add_argument("--top-p", type=float, default=defaults.top_p)
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="0: all tokens")
+    p.add_argument("--min-p", type=float, default=defaults.min_p)
+
+
 def _engine(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--parallel", type=int, default=EngineConfig.parallel,
                    help="sequences decoded together")
-    p.add_argument("--ctx-size", type=int, default=EngineConfig.ctx_size,
-                   help="KV cells of all sequences together (with --deterministic, split "
-                        "evenly between them)")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help=f"KV cells of all sequences together (with --deterministic, split "
+                        f"evenly between them; default {EngineConfig.ctx_size}). One request "
+                        f"may use them all: capped at the model's training context unless "
+                        f"given explicitly, as llama-server's -c")
     p.add_argument("--batch-tokens", type=int, default=EngineConfig.batch_tokens,
                    help="tokens per llama_decode call (bounds how long a prefill stalls decodes)")
     p.add_argument("--kv-type", choices=KV_TYPE_NAMES, default=None,
@@ -107,6 +120,10 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--pin-budget-mb", type=int, default=None,
                    help="most pool memory prompt_cache_retention 24h may pin (default: a "
                         "quarter of --cache-mb); past it the oldest pins fall back to LRU")
+    p.add_argument("--tenant-cache-share", type=_share, default=0.5,
+                   help="share of the pool past which a tenant's own least recently used "
+                        "prefixes are evicted first, so one tenant's flood cannot empty the "
+                        "pool of every other's (1: plain LRU across tenants)")
     p.add_argument("--pin-hours", type=float, default=24.0,
                    help='how long prompt_cache_retention "24h" pins a prompt (tests shorten it)')
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -155,6 +172,13 @@ def _logging(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _share(value: str) -> float:
+    share = float(value)
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"a share is in (0, 1], not {value}")
+    return share
+
+
 def _environment_twins(p: argparse.ArgumentParser) -> None:
     """PREFIXGATE_<FLAG> sets a flag's default; the command line still wins."""
     for action in p._actions:
@@ -175,11 +199,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("q8_0 KV and --deterministic need flash attention")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1 and args.top_k >= 0
+            and 0 <= args.min_p <= 1):
+        parser.error("sampling defaults out of range: --temperature 0..2, --top-p (0, 1], "
+                     "--top-k >= 0, --min-p 0..1")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
     from gateway.model_store import default_model_path
-    from gateway.server import ServerConfig, serve
+    from gateway.server import serve
+    from gateway.service import ServerConfig
 
     try:
         keys = KeyRing.load(args.api_keys_file, os.environ.get("PREFIXGATE_API_KEYS"),
@@ -187,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyFileError as exc:
         parser.error(str(exc))
     model_path = Path(args.model) if args.model else default_model_path()
-    engine = EngineConfig(parallel=args.parallel, ctx_size=args.ctx_size,
+    engine = EngineConfig(parallel=args.parallel,
+                          ctx_size=args.ctx_size or EngineConfig.ctx_size,
+                          beyond_training=args.ctx_size is not None,
                           batch_tokens=args.batch_tokens, threads=args.threads,
                           kv_type=args.kv_type, flash_attn=args.flash_attn == "on",
                           deterministic=args.deterministic,
@@ -203,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             max_queue=args.max_queue, cache_dir=args.cache_dir,
             step_timeout=args.step_timeout or None,
             pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
+            tenant_cache_share=args.tenant_cache_share,
             redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
                              key=args.redis_key.encode() if args.redis_key else None)
             if args.redis_url else None,
@@ -219,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                       request_timeout=args.request_timeout or None, max_n=args.max_n),
         chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
         log_prompts=args.log_prompts,
+        sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p),
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
     with contextlib.suppress(KeyboardInterrupt):

@@ -22,11 +22,26 @@ class WorkersConfig:
     cache_dir: Path | None = None  # where the pool's blocks survive a restart
     redis: TierConfig | None = None  # the Redis tier shared with other gateways
     pin_budget_mb: int | None = None  # pinned blocks at most; None: a quarter of the pool
+    # Past this share of the pool, a tenant makes room from its own least recently used
+    # prefixes first, and other tenants' allocations take from it before anyone else.
+    tenant_cache_share: float = 0.5
     pin_hours: float = 24.0  # how long prompt_cache_retention "24h" pins (shorter in tests)
     log_level: str = "info"
     # A worker with requests in flight that sends nothing for this long is stuck (inside
     # llama.cpp, say): killed and replaced. None: never. A step here takes 2 s at the most.
     step_timeout: float | None = 120.0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling parameter out gets, on every API (llama-server's
+    --temp, --top-p, --top-k, --min-p): agent clients never send a temperature, and a model's
+    recommended values are set once, on the server."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,8 @@ _CACHE_COUNTERS = (
      "Time spent cutting sequences into cached blocks"),
     ("prefixgate_prefix_cache_store_failures", "store_failures",
      "Stores that failed: the request ran on uncached"),
+    ("prefixgate_prefix_cache_load_failures", "load_failures",
+     "Loads of cached blocks that failed: the prompt was computed instead"),
 )
 
 

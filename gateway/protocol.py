@@ -10,10 +10,12 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.messages import GenerationRequest, SamplerSettings
+from gateway.config import SamplingDefaults
 from gateway.errors import APIError, invalid
 from gateway.structured import grammar_for
 from gateway.tools import Toolbox
 
+NO_DEFAULTS = SamplingDefaults()  # the sampling OpenAI's API defines for what is left out
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -150,8 +152,8 @@ class _Sampling(_Strict):
         return None
 
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
-                      max_tokens_cap: int | None = None, namespace: str = ""
-                      ) -> GenerationRequest:
+                      max_tokens_cap: int | None = None, namespace: str = "",
+                      defaults: SamplingDefaults = NO_DEFAULTS) -> GenerationRequest:
         room = seq_len - len(prompt_tokens)
         if room < 1:
             raise invalid(
@@ -170,10 +172,11 @@ class _Sampling(_Strict):
             max_tokens=room if wanted is None else min(wanted, room),
             sampler=SamplerSettings(
                 grammar=self.output_grammar(),
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(self.top_k or 0, 0),
-                min_p=self.min_p or 0.0,
+                temperature=defaults.temperature if self.temperature is None
+                else self.temperature,
+                top_p=defaults.top_p if self.top_p is None else self.top_p,
+                top_k=defaults.top_k if self.top_k is None else max(self.top_k, 0),
+                min_p=defaults.min_p if self.min_p is None else self.min_p,
                 seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,

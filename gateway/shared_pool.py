@@ -66,7 +66,8 @@ class SharedPool:
         self.index = CacheIndex(
             header.n_slots, header.block_size,
             on_stored=self._to_tier if self.tier else None,
-            pin_budget=None if budget is None else (budget << 20) // header.slot_bytes)
+            pin_budget=None if budget is None else (budget << 20) // header.slot_bytes,
+            namespace_share=config.tenant_cache_share)
         if config.cache_dir is not None:  # before any request can use the pool
             persistence.load(config.cache_dir, self.index, self.arena)
 
@@ -92,10 +93,11 @@ class SharedPool:
         return self.index.cached_length(np.asarray(request.prompt_tokens, dtype=np.int32),
                                         request.namespace)
 
-    def pin(self, request: GenerationRequest) -> None:
-        """prompt_cache_retention "24h": the prompt's cached blocks outlive LRU for a while."""
-        self.index.pin(np.asarray(request.prompt_tokens, dtype=np.int32), request.namespace,
-                       time.time() + self.config.pin_hours * 3600)
+    def pin(self, request: GenerationRequest, n_tokens: int, seconds: float) -> None:
+        """The cached blocks of the prompt's first `n_tokens` outlive LRU for `seconds`
+        (OpenAI's prompt_cache_retention "24h", Anthropic's cache_control breakpoints)."""
+        self.index.pin(np.asarray(request.prompt_tokens[:n_tokens], dtype=np.int32),
+                       request.namespace, time.time() + seconds)
 
     def fetch_from_tier(self, request: GenerationRequest) -> None:
         """On a local miss, adopts the prompt's following blocks from Redis into the pool (one

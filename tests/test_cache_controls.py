@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
@@ -103,3 +104,30 @@ def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, gateway, m
     status, dropped = admin(tiny_pool, "DELETE", "/v1/cache/prefixes")
     assert status == 200 and dropped["dropped_blocks"] == metrics["prefixgate_kv_pool_blocks_used"]
     assert tiny_pool.metrics()["prefixgate_kv_pool_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("share", ["0.5", "1"])
+def test_one_tenants_flood_cannot_evict_another_tenants_prefix(model_path, model_name, tmp_path,
+                                                                share):
+    """A pool of 4 blocks. Past half of it (--tenant-cache-share 0.5, the default), tenant a's
+    flood evicts its own prompts and tenant b's stays; with plain LRU (1) the flood takes it."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "6", "--api-keys-file", str(keys), "--tenant-cache-share", share)
+    try:
+        def ask(key: str, prompt: str) -> int:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+            r = client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                          temperature=0)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        ask("key-b", story("The lighthouse"))
+        for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
+            ask("key-a", story(topic))
+        assert ask("key-a", story("Rope")) > 60  # the flood still caches within its share
+        kept = ask("key-b", story("The lighthouse"))
+        assert kept > 60 if share == "0.5" else kept < 8
+        server.settled()
+    finally:
+        server.stop()

@@ -87,6 +87,21 @@ def test_failed_store_only_skips_caching(local, prompt):
     assert local.engine.alive
 
 
+def test_a_refused_load_computes_the_prompt_and_is_counted(local, prompt):
+    """llama.cpp refusing cached KV (no free cells) costs the prefill, not the answer."""
+    first = run(local, prompt)
+    ctx = local.engine.ctx
+
+    def refuse(seq_id, blob):
+        raise DecodeError(f"injected: no cells for sequence {seq_id}")
+
+    ctx.load_sequence_state = refuse
+    again = run(local, prompt)
+    assert _text(again) == _text(first) and again[-1].usage.cached_tokens == 0
+    assert local.engine.snapshot.cache.load_failures == 1
+    local.assert_released()
+
+
 def test_admission_failure_answers_only_that_request(local, prompt):
     """An exception while admitting one request fails it alone; requests waiting behind it (some
     deferred for an in-flight prefix) are all answered."""

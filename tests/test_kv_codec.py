@@ -10,7 +10,7 @@ import pytest
 
 from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
 from engine.config import EngineConfig
-from engine.llama import Batch, Context
+from engine.llama import Batch, Context, DecodeError
 
 BLOCK = 16
 SCRATCH = 3
@@ -126,3 +126,31 @@ def test_layout_is_read_and_checked(ctx, local_model):
         SequenceState.parse(blob, layout=KVLayout(4, False, (1,), (2,), (1,), (2,), (0,)))
     with pytest.raises(LayoutError):
         SequenceState.parse(b"\0" * len(blob), layout=None)
+
+
+def test_a_load_into_fragmented_cells_takes_any_free_ones(ctx, local_model):
+    """Review: a load needs as many free cells as it brings, not a run of them. Two sequences
+    decoded in turns fill the unified pool in 32-cell stripes; forgetting one leaves half the
+    pool free with no free run longer than 32, and a 100-cell prefix still loads, exact."""
+    if not ctx.shape.unified:
+        pytest.skip("a stream per sequence: nothing else lives among its cells")
+    stripe, n_cells = 32, ctx.shape.n_ctx
+    tokens = [100 + i % 900 for i in range(n_cells // 2)]
+    for start in range(0, len(tokens), stripe):
+        for seq in (0, 1):
+            prefill(ctx, tokens[start:start + stripe], seq, start)
+    source = SequenceState.parse(ctx.sequence_state(0), layout=None)
+    expected = rows_by_position(source)
+    used = 100
+    blob = SequenceAssembler(source.layout).assemble(to_blocks(source, used), seq_id=2)
+    try:
+        with pytest.raises(DecodeError):  # the pool is full: nowhere to load
+            ctx.load_sequence_state(2, blob)
+        ctx.forget(0)  # half the pool free, in stripes of 32 cells between sequence 1's
+        ctx.load_sequence_state(2, blob)
+        loaded = SequenceState.parse(ctx.sequence_state(2), source.layout)
+    finally:
+        ctx.clear()
+    assert len(loaded.cell_of) == used
+    for got, want in zip(rows_by_position(loaded), expected, strict=True):
+        assert np.array_equal(got, want[:used])

@@ -19,14 +19,14 @@ namespaces = st.sampled_from([b"", b"tenant-a", b"tenant-b"])
 class Blocks:
     """A pool and its tree, with block bytes in a plain array: each block holds its tokens."""
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, namespace_share: float = 1.0) -> None:
         self.pool = BlockPool(n_slots, BLOCK)
-        self.tree = RadixTree(self.pool)
+        self.tree = RadixTree(self.pool, namespace_share=namespace_share)
         self.bytes = np.zeros((n_slots, BLOCK * 4), np.uint8)
 
     def insert(self, tokens: np.ndarray, namespace: bytes = b"") -> tuple[Match, bool]:
         def fill(start: int, end: int) -> int | None:
-            slot = self.tree.allocate()
+            slot = self.tree.allocate(namespace)
             if slot is not None:
                 self.bytes[slot] = 0
                 self.bytes[slot, : (end - start) * 4] = np.frombuffer(
@@ -45,7 +45,7 @@ def block_content(node) -> bytes:
 class TreeAndPool(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = Blocks(SLOTS)
+        self.blocks = Blocks(SLOTS, namespace_share=0.5)
         self.pool, self.tree = self.blocks.pool, self.blocks.tree
         self.held: list[tuple[Match, list[bytes]]] = []
         self.inserted: dict[bytes, list[np.ndarray]] = {}  # what each namespace ever stored
@@ -239,3 +239,35 @@ def test_a_pin_moves_to_the_longer_copy_that_replaces_its_block():
         tree.release(blocks.insert(np.full(8, 10 + i, np.int32))[0])
     assert tree.matched_length(longer) == 7
     assert tree.problems({}) == []
+
+
+def test_past_its_share_a_tenant_evicts_its_own_leaves_and_others_take_from_it_first():
+    """A flood from one tenant cannot empty the pool of another's prefixes (before, with one
+    LRU across tenants, the flood evicted tenant b's prompt)."""
+    pool = BlockPool(8, BLOCK)
+    tree = RadixTree(pool, namespace_share=0.5)  # 4 blocks each before their own go first
+
+    def store(tokens: np.ndarray, namespace: bytes) -> None:
+        tree.release(tree.insert(tokens, lambda *_: tree.allocate(namespace), namespace)[0])
+
+    kept = np.arange(2 * BLOCK, dtype=np.int32)
+    store(kept, b"b")
+    for i in range(20):  # 40 blocks of tenant a, more recent than b's prompt
+        store(np.full(2 * BLOCK, 100 + i, np.int32), b"a")
+    assert tree.matched_length(kept, b"b") == 2 * BLOCK
+    assert pool.n_free == 0  # a still used every free slot
+    # An allocation of b's takes from a, past its share, although b's own prompt is older.
+    store(np.full(BLOCK, 7, np.int32), b"b")
+    assert tree.matched_length(kept, b"b") == 2 * BLOCK
+    assert tree.problems({}) == []
+
+
+def test_plain_lru_across_tenants_lets_a_flood_evict_everyone():
+    pool = BlockPool(8, BLOCK)
+    tree = RadixTree(pool, namespace_share=1.0)
+    kept = np.arange(2 * BLOCK, dtype=np.int32)
+    tree.release(tree.insert(kept, lambda *_: tree.allocate(b"b"), b"b")[0])
+    for i in range(20):
+        tree.release(tree.insert(np.full(2 * BLOCK, 100 + i, np.int32),
+                                 lambda *_: tree.allocate(b"a"), b"a")[0])
+    assert tree.matched_length(kept, b"b") == 0

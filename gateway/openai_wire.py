@@ -1,4 +1,4 @@
-"""OpenAI response objects for the two completion endpoints, whole and streamed."""
+"""OpenAI's words for the two completion endpoints' outputs, whole and streamed."""
 
 from __future__ import annotations
 
@@ -7,22 +7,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.messages import TokenLogprob, Usage
-from gateway.tools import ToolCall
+from engine.messages import Output, TokenLogprob, Usage
+from gateway.errors import APIError
+from gateway.generation import Choice, Event, Wire
+from gateway.tools import Toolbox, ToolCall
 
 TokenBytes = Callable[[int], bytes]
-
-
-@dataclass
-class Choice:
-    """One of a request's n answers, whole."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_call: ToolCall | None = None  # the answer was this call (finish_reason tool_calls)
-    usage: Usage | None = None  # on its last output
-    n_generated: int = 0  # completion tokens so far, also when it never finishes
 
 
 def usage_body(usage: Usage) -> dict:
@@ -35,7 +25,7 @@ def usage_body(usage: Usage) -> dict:
 
 
 @dataclass
-class ResponseWriter:
+class OpenAIWire(Wire):
     """Words one request's responses: one id and creation time for all of its chunks."""
 
     model: str
@@ -43,6 +33,7 @@ class ResponseWriter:
     object_name: str
     chunk_object_name: str
     token_bytes: TokenBytes | None = None  # set when the request asked for logprobs
+    include_usage: bool = False  # stream_options.include_usage
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -75,6 +66,30 @@ class ResponseWriter:
         body["usage"] = usage_body(usage)
         return body
 
+    terminator = b"data: [DONE]\n\n"
+
+    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+        return self._text_then_finish(output.text, output.finish_reason, output.logprobs, index)
+
+    def _text_then_finish(self, text: str, finish_reason: str | None,
+                          logprobs: list[TokenLogprob], index: int) -> list[Event]:
+        """As OpenAI streams: the text, then a chunk of its own with the finish_reason and an
+        empty delta (clients that key on that chunk still see every token)."""
+        events = []
+        if text:
+            events.append(Event(self.chunk(text, with_usage_field=self.include_usage,
+                                           logprobs=logprobs, index=index)))
+        if finish_reason:
+            events.append(Event(self.chunk("", finish_reason,
+                                           with_usage_field=self.include_usage, index=index)))
+        return events
+
+    def closing(self, choices: list[Choice], usage: Usage) -> list[Event]:
+        return [Event(self.usage_chunk(usage))] if self.include_usage else []
+
+    def failure(self, error: APIError) -> list[Event]:
+        return [Event(error.body())]
+
     def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:
         raise NotImplementedError
 
@@ -94,10 +109,34 @@ class ResponseWriter:
         return data.decode(errors="replace"), data
 
 
-class ChatWriter(ResponseWriter):
-    def __init__(self, model: str, token_bytes: TokenBytes | None = None) -> None:
+class ChatWire(OpenAIWire):
+    def __init__(self, model: str, token_bytes: TokenBytes | None = None,
+                 include_usage: bool = False, toolbox: Toolbox | None = None) -> None:
         super().__init__(model, "chatcmpl", "chat.completion", "chat.completion.chunk",
-                         token_bytes)
+                         token_bytes, include_usage)
+        self.toolbox = toolbox
+
+    def opening(self, n_choices: int) -> list[Event]:
+        return [Event(self.chunk("", first=True, with_usage_field=self.include_usage, index=i))
+                for i in range(n_choices)]
+
+    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+        """With tools offered, a choice is held back until it is whole: only then is it known
+        to be a call (sent as tool_calls deltas) or text."""
+        if self.toolbox is None:
+            return super().on_output(index, output, choice)
+        if not output.last:
+            return []
+        choice.tool_call = self.toolbox.parse(choice.text, output.finish_reason)
+        if choice.tool_call is not None:
+            return [Event(chunk) for chunk in self.tool_call_chunks(choice.tool_call, index)]
+        return self._text_then_finish(choice.text, output.finish_reason, choice.logprobs, index)
+
+    def whole(self, choices: list[Choice], usage: Usage) -> dict:
+        if self.toolbox is not None:
+            for choice in choices:
+                choice.tool_call = self.toolbox.parse(choice.text, choice.finish_reason)
+        return super().whole(choices, usage)
 
     def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text},
@@ -143,9 +182,11 @@ class ChatWriter(ResponseWriter):
                             for e in entries]}
 
 
-class CompletionWriter(ResponseWriter):
-    def __init__(self, model: str, token_bytes: TokenBytes | None = None) -> None:
-        super().__init__(model, "cmpl", "text_completion", "text_completion", token_bytes)
+class CompletionWire(OpenAIWire):
+    def __init__(self, model: str, token_bytes: TokenBytes | None = None,
+                 include_usage: bool = False) -> None:
+        super().__init__(model, "cmpl", "text_completion", "text_completion", token_bytes,
+                         include_usage)
         self._offsets: dict[int, int] = {}  # per choice: characters before its next token
 
     def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:

@@ -1,0 +1,87 @@
+"""The operator's side: the cache admin API (/v1/cache/*, behind --admin-key), the live cache
+page that reads it, and /debug/consistency (behind --debug-key)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.auth import bearer_matches
+from gateway.errors import APIError
+from gateway.generation import json_response
+from gateway.service import Gateway
+
+CACHE_PAGE = Path(__file__).parent / "static" / "cache.html"
+HOTTEST_PREFIXES = 50  # rows of GET /v1/cache/prefixes
+PREVIEW_CHARS = 80
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/debug/consistency")
+async def consistency(request: web.Request) -> web.Response:
+    """Tree, pool, leases and workers against each other (see Workers.problems). It walks the
+    whole tree under the index's lock: an operator's tool, off without --debug-key."""
+    _require_debug_key(request)
+    problems = await asyncio.to_thread(request.app["gateway"].workers.problems)
+    return json_response({"ok": not problems, "problems": problems})
+
+
+def _require_admin(request: web.Request) -> Gateway:
+    gateway: Gateway = request.app["gateway"]
+    key = gateway.config.admin_key
+    if key is None:  # no admin API at all without a key
+        raise web.HTTPNotFound()
+    if not bearer_matches(request.headers.get("Authorization"), key):
+        raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
+                       code="invalid_api_key")
+    if gateway.workers.pool is None:
+        raise APIError(404, "The prefix cache is off", code="cache_disabled")
+    return gateway
+
+
+@routes.get("/cache")
+async def cache_page(request: web.Request) -> web.StreamResponse:
+    """The live cache page: static, it reads the admin API with the key it is given."""
+    if request.app["gateway"].config.admin_key is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(CACHE_PAGE)
+
+
+@routes.get("/v1/cache/prefixes")
+async def cached_prefixes(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    pool = gateway.workers.pool
+    index, slot_bytes = pool.index, pool.arena.header.slot_bytes
+    rows = await asyncio.to_thread(index.prefixes, HOTTEST_PREFIXES)
+    for row in rows:
+        tokens = row.pop("tokens")
+        row.update(tokens=len(tokens), bytes=row["blocks"] * slot_bytes)
+        if gateway.config.log_prompts:  # text only where prompts may be shown at all
+            row["preview"] = gateway.model.detokenize(list(tokens))[:PREVIEW_CHARS]
+    return json_response({"object": "list", "data": rows})
+
+
+@routes.delete("/v1/cache/prefixes")
+async def drop_prefixes(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    dropped = await asyncio.to_thread(gateway.workers.pool.index.drop,
+                                      request.query.get("namespace"))
+    return json_response({"dropped_blocks": dropped})
+
+
+@routes.get("/v1/cache/stats")
+async def cache_stats(request: web.Request) -> web.Response:
+    gateway = _require_admin(request)
+    return json_response(gateway.cache_stats())
+
+
+def _require_debug_key(request: web.Request) -> None:
+    key = request.app["gateway"].config.debug_key
+    if key is None:
+        raise web.HTTPNotFound()
+    if not bearer_matches(request.headers.get("Authorization"), key):
+        raise APIError(401, "This endpoint needs the debug key (--debug-key)",
+                       code="invalid_api_key")

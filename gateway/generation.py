@@ -1,0 +1,294 @@
+"""The one generation path every API shares. An API handler parses its body and renders the
+prompt tokens; from there the path is the same for all of them:
+
+    rate limit (the prompt's tokens) -> the API's Plan (sampling, grammar: built on a thread)
+    -> the Redis tier on a local miss -> pins -> a worker -> outputs -> the API's Wire
+
+A Wire is all that differs: how one API words the outputs, whole or as a stream of events. One
+streaming loop (`_stream`) serves every API, with its deadline, its mid-stream errors and the
+freeing of everything the request held, whatever the client does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
+from gateway.errors import APIError, invalid
+from gateway.handles import GenerationHandle
+from gateway.service import Gateway
+from gateway.supervisor import Overloaded
+from gateway.tools import ToolCall
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
+FINAL_WRITE_SECONDS = 5  # how long a timed-out stream waits for its client to take the error
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Keep the prompt's first `n_tokens` cached for `seconds`, past LRU (within the tenant's
+    share of the pin budget)."""
+
+    n_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an API asks of the path for one request."""
+
+    generation: GenerationRequest
+    n: int = 1  # choices, sharing the prompt's cells
+    stream: bool = False
+    cache_key: str | None = None  # routing affinity (OpenAI's prompt_cache_key)
+    pins: tuple[Pin, ...] = ()
+
+
+@dataclass
+class Choice:
+    """One of a request's n answers, as it grows."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_call: ToolCall | None = None  # the answer was this call (set by the API's wire)
+    usage: Usage | None = None  # on its last output
+    n_generated: int = 0  # completion tokens so far, also when it never finishes
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: OpenAI's are bare `data:` lines, Anthropic's are named."""
+
+    data: dict
+    name: str | None = None
+
+    def encode(self) -> bytes:
+        head = b"event: " + self.name.encode() + b"\n" if self.name else b""
+        return head + b"data: " + orjson.dumps(self.data) + b"\n\n"
+
+
+class Wire:
+    """How one API words a request's outputs."""
+
+    terminator = b""  # written after the last event (OpenAI's `data: [DONE]`)
+
+    def whole(self, choices: list[Choice], usage: Usage) -> dict:
+        raise NotImplementedError
+
+    def opening(self, n_choices: int) -> list[Event]:
+        return []
+
+    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+        """Events for one output of choice `index` (already added to `choice`)."""
+        raise NotImplementedError
+
+    def closing(self, choices: list[Choice], usage: Usage) -> list[Event]:
+        """Events after every choice has finished."""
+        return []
+
+    def failure(self, error: APIError) -> list[Event]:
+        """A failure after the stream's 200 was sent."""
+        raise NotImplementedError
+
+
+async def generate(request: web.Request, prompt_tokens: list[int],
+                   plan: Callable[[], Plan], wire: Wire) -> web.StreamResponse:
+    """prompt tokens -> (rate limit, plan, Redis tier, pins) -> worker -> the wire's answer."""
+    gateway: Gateway = request.app["gateway"]
+    limits = gateway.config.limits
+    admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
+    # Building a grammar from a schema takes time: off the event loop the streams share.
+    planned = await asyncio.to_thread(plan)
+    generation = planned.generation
+    if planned.n > limits.max_n:
+        raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
+                      "(--max-n)", "n")
+    pool = gateway.workers.pool
+    if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
+        await asyncio.to_thread(pool.fetch_from_tier, generation)
+    pins = planned.pins if pool is not None else ()
+    for pin in pins:  # what is cached already, now; the rest once it is stored
+        pool.pin(generation, pin.n_tokens, pin.seconds)
+    handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
+    timer = gateway.metrics.request_timer()
+    choices = [Choice() for _ in handles]
+    try:
+        if planned.stream:
+            return await _stream(request, handles, wire, timer, limits.request_timeout, choices)
+        return await _collect(handles, wire, timer, limits.request_timeout, choices)
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op once finished; frees the sequence if the client left
+        _charge_rate(gateway, request["key"], choices)
+        for pin in pins:
+            pool.pin(generation, pin.n_tokens, pin.seconds)
+        if gateway.config.log_prompts:
+            log.info("tenant %r prompt %r answers %r", request["tenant"],
+                     gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+def admit(request: web.Request) -> None:
+    """The key's rate limit, before any work on the request (rendering, tokenizing, grammars)."""
+    gateway: Gateway = request.app["gateway"]
+    if gateway.rate_limiter is not None and request["key"] is not None:
+        _refuse_for(gateway.rate_limiter.admit(request["key"]))
+
+
+def admit_prompt(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
+    if gateway.rate_limiter is not None and key is not None:
+        _refuse_for(gateway.rate_limiter.admit_prompt(key, prompt_tokens))
+
+
+def _refuse_for(wait: int | None) -> None:
+    if wait is not None:
+        raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
+                            f"reached; retry in {wait} s", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(wait)})
+
+
+def _charge_rate(gateway: Gateway, key: str | None, choices: list[Choice]) -> None:
+    """What every choice generated, finished, timed out or abandoned alike."""
+    if gateway.rate_limiter is not None and key is not None:
+        gateway.rate_limiter.charge(key, sum(
+            max(c.n_generated, c.usage.completion_tokens if c.usage else 0) for c in choices))
+
+
+def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One generation per choice, each sampling with its own seed (seed + i when one is
+    given, so results repeat); they share the prompt's cells, computed once."""
+    seed = generation.sampler.seed
+    return [dataclasses.replace(generation, sampler=dataclasses.replace(
+        generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
+
+
+def _submit(gateway: Gateway, generations: list[GenerationRequest],
+            cache_key: str | None) -> list[GenerationHandle]:
+    try:
+        return gateway.workers.submit_group(generations, cache_key)
+    except Overloaded as exc:
+        raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
+                       code="rate_limit_exceeded",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
+                       ) from None
+
+
+def _timed_out(seconds: float) -> APIError:
+    return APIError(504, f"The request did not finish within {seconds:g} s (--request-timeout)",
+                    code="timeout")
+
+
+async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
+                   timer) -> AsyncIterator[tuple[int, Output]]:
+    """Every choice's outputs as they come, with the choice's index, each one timed and added
+    to its Choice first (text, logprobs; on the last one why it ended and its usage)."""
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+    async def pump(i: int, handle: GenerationHandle) -> None:
+        async for output in handle.outputs():
+            await merged.put((i, output))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    unfinished = len(handles)
+    try:
+        while unfinished:
+            i, output = await merged.get()
+            timer.on_output(output)
+            choice = choices[i]
+            choice.text += output.text
+            choice.logprobs += output.logprobs
+            choice.n_generated = max(choice.n_generated, output.n_generated)
+            if output.usage:
+                choice.finish_reason, choice.usage = output.finish_reason, output.usage
+                choice.stop_sequence = output.stop_sequence
+            yield i, output
+            unfinished -= output.last
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def total_usage(choices: list[Choice]) -> Usage:
+    """The prompt once, every choice's completion tokens."""
+    usages = [c.usage for c in choices if c.usage]
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                 usages[0].cached_tokens)
+
+
+async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: float | None,
+                   choices: list[Choice]) -> web.Response:
+    try:
+        async with asyncio.timeout(timeout):
+            async for _, output in _outputs(handles, choices, timer):
+                if output.error:
+                    raise _generation_error(output)
+    except TimeoutError:
+        raise _timed_out(timeout) from None
+    return json_response(wire.whole(choices, total_usage(choices)))
+
+
+async def _stream(request: web.Request, handles: list[GenerationHandle], wire: Wire, timer,
+                  timeout: float | None, choices: list[Choice]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    await _send(response, wire.opening(len(handles)))
+    try:
+        async with asyncio.timeout(timeout):
+            async for i, output in _outputs(handles, choices, timer):
+                if output.error:
+                    await _send(response, wire.failure(_generation_error(output)))
+                    break
+                await _send(response, wire.on_output(i, output, choices[i]))
+            else:
+                await _send(response, wire.closing(choices, total_usage(choices)))
+    except TimeoutError:
+        for handle in handles:  # freed at the deadline, whatever the client's socket does
+            handle.cancel()
+        await _finish_stream(request, response, wire, _timed_out(timeout))
+        return response
+    await response.write(wire.terminator)
+    await response.write_eof()
+    return response
+
+
+async def _finish_stream(request: web.Request, response: web.StreamResponse, wire: Wire,
+                         error: APIError) -> None:
+    """The error event and the end, if the client takes them soon; else the connection goes."""
+    try:
+        async with asyncio.timeout(FINAL_WRITE_SECONDS):
+            await _send(response, wire.failure(error))
+            await response.write(wire.terminator)
+            await response.write_eof()
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+
+
+async def _send(response: web.StreamResponse, events: list[Event]) -> None:
+    if events:
+        await response.write(b"".join(event.encode() for event in events))
+
+
+def _generation_error(output: Output) -> APIError:
+    if output.unavailable:
+        return APIError(503, f"The engine is not serving: {output.error}",
+                        code="engine_unavailable")
+    return APIError(500, f"Generation failed: {output.error}", code="engine_error")
+
+
+def json_response(payload: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status,
+                        content_type="application/json")

@@ -1,0 +1,76 @@
+"""OpenAI's chat completions, completions and models: each request translated onto the one
+generation path (gateway/generation.py), its outputs worded by gateway/openai_wire.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.errors import invalid
+from gateway.generation import Pin, Plan, admit, generate, json_response
+from gateway.openai_wire import ChatWire, CompletionWire
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from gateway.service import Gateway
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    return json_response({"object": "list", "data": [{
+        "id": gateway.config.model_name, "object": "model", "created": 0,
+        "owned_by": "prefixgate"}]})
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(ChatCompletionRequest, await request.read())
+    gateway.require_model(body.model)
+    admit(request)
+    # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
+    try:
+        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages,
+                                                body.toolbox)
+    except ValueError as exc:  # the chat template refused the messages (raise_exception)
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, body.toolbox)
+    return await generate(request, prompt_tokens, _planner(request, body, prompt_tokens), wire)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(CompletionRequest, await request.read())
+    gateway.require_model(body.model)
+    admit(request)
+    try:
+        prompt_tokens = await asyncio.to_thread(gateway.prompts.completion,
+                                                body.single_prompt())
+    except ValueError as exc:
+        raise invalid(str(exc), "prompt") from None
+    wire = CompletionWire(body.model, _token_bytes(gateway, body), body.include_usage)
+    return await generate(request, prompt_tokens, _planner(request, body, prompt_tokens), wire)
+
+
+def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionRequest):
+    """What a wire spells tokens with, when the request asked for logprobs."""
+    return gateway.model.token_piece if body.logprob_count() is not None else None
+
+
+def _planner(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
+             prompt_tokens: list[int]):
+    gateway: Gateway = request.app["gateway"]
+
+    def plan() -> Plan:
+        generation = body.to_generation(
+            prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
+            gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling)
+        # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
+        pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
+            if body.prompt_cache_retention == "24h" else ()
+        return Plan(generation, body.n or 1, body.stream, body.prompt_cache_key, pins)
+
+    return plan
