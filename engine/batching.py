@@ -439,9 +439,10 @@ class Engine:
         elif seq.n_generated >= request.max_tokens:
             self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
         else:
-            if text:
+            if text or prompt_done:  # the first says how much of the prompt was cached
                 seq.handle.deliver(Output(text=text, logprobs=_take(seq.logprobs),
-                                          n_generated=seq.n_generated))
+                                          n_generated=seq.n_generated,
+                                          cached_tokens=seq.cached if prompt_done else None))
             if self.cache and prompt_done and not self.unified:
                 # Without shared cells, a request arriving meanwhile takes the prompt from the
                 # pool: store it as soon as the first token is out.

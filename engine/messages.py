@@ -89,6 +89,7 @@ class Output:
     generated: tuple[int, ...] = ()  # on the last output: every generated token id
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this output's text came from
     n_generated: int = 0  # completion tokens so far: what an abandoned request has cost
+    cached_tokens: int | None = None  # on the first output: prompt tokens a cache served
 
     @property
     def last(self) -> bool:

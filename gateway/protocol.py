@@ -154,22 +154,11 @@ class _Sampling(_Strict):
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
                       max_tokens_cap: int | None = None, namespace: str = "",
                       defaults: SamplingDefaults = NO_DEFAULTS) -> GenerationRequest:
-        room = seq_len - len(prompt_tokens)
-        if room < 1:
-            raise invalid(
-                f"This model's maximum context length is {seq_len} tokens. However, your "
-                f"prompt is {len(prompt_tokens)} tokens, leaving no room for a completion.",
-                "messages" if isinstance(self, ChatCompletionRequest) else "prompt",
-                "context_length_exceeded")
-        wanted = self.requested_max_tokens()
-        if max_tokens_cap is not None:
-            if wanted is not None and wanted > max_tokens_cap:
-                raise invalid(f"max_tokens is too large: {wanted}. This server allows at most "
-                              f"{max_tokens_cap} completion tokens per request.", "max_tokens")
-            room = min(room, max_tokens_cap)
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
-            max_tokens=room if wanted is None else min(wanted, room),
+            max_tokens=completion_room(
+                len(prompt_tokens), seq_len, self.requested_max_tokens(), max_tokens_cap,
+                "messages" if isinstance(self, ChatCompletionRequest) else "prompt"),
             sampler=SamplerSettings(
                 grammar=self.output_grammar(),
                 temperature=defaults.temperature if self.temperature is None
@@ -199,6 +188,24 @@ class _Sampling(_Strict):
                               "logit_bias")
             biases[int(key)] = bias
         return biases
+
+
+def completion_room(n_prompt: int, seq_len: int, wanted: int | None, cap: int | None,
+                    prompt_param: str) -> int:
+    """The completion tokens a request gets: what it asks for, within the sequence's room
+    after its prompt and the server's --max-tokens (asking past that is an error)."""
+    room = seq_len - n_prompt
+    if room < 1:
+        raise invalid(
+            f"This model's maximum context length is {seq_len} tokens. However, your "
+            f"prompt is {n_prompt} tokens, leaving no room for a completion.",
+            prompt_param, "context_length_exceeded")
+    if cap is not None:
+        if wanted is not None and wanted > cap:
+            raise invalid(f"max_tokens is too large: {wanted}. This server allows at most "
+                          f"{cap} completion tokens per request.", "max_tokens")
+        room = min(room, cap)
+    return room if wanted is None else min(wanted, room)
 
 
 class ChatCompletionRequest(_Sampling):

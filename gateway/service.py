@@ -4,6 +4,7 @@ engine workers, the metrics and the cache's hit-rate history."""
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import itertools
 import logging
 import threading
@@ -41,6 +42,8 @@ class ServerConfig:
     chat_template: str | None = None  # instead of the GGUF's own
     log_prompts: bool = False
     sampling: SamplingDefaults = SamplingDefaults()  # for requests that leave them out
+    model_aliases: tuple[str, ...] = ()  # other names (fnmatch patterns) served by the model
+    keep_billing_header: bool = False  # Claude Code's per-conversation system line
     rate_limits: RateLimits = RateLimits()  # per API key
 
 
@@ -155,5 +158,6 @@ class Gateway:
     def require_model(self, name: str) -> None:
         if not self.ready:
             raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
-        if name != self.config.model_name:
+        if name != self.config.model_name and not any(
+                fnmatch.fnmatchcase(name, alias) for alias in self.config.model_aliases):
             raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")

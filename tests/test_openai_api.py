@@ -186,3 +186,19 @@ def test_tokenize_and_detokenize_are_bounded(gateway):
     code, body = call(gateway, "/tokenize", {"content": "a " * 70_000, "with_pieces": True})
     assert code == 400 and body["error"]["param"] == "content"
     assert call(gateway, "/detokenize", {"tokens": [1] * 1000})[0] == 200
+
+
+@pytest.mark.parametrize(("args", "limit"), [((), 8192), (("--ctx-size", "9000"), 9000)])
+def test_an_explicit_ctx_size_is_honoured_past_the_training_context(model_path, model_name,
+                                                                    args, limit):
+    """The test model trained on 8,192 tokens. Left at its default (16,384 cells) a request is
+    capped there; an explicit --ctx-size 9000 lets one use all 9,000 (before: 8,192 still)."""
+    server = GatewayProcess(model_path, "--parallel", "1", *args)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            openai_client(server).completions.create(model=model_name, prompt=[100] * 9100,
+                                                     max_tokens=1)
+        assert refused.value.code == "context_length_exceeded"
+        assert f"maximum context length is {limit} tokens" in refused.value.message
+    finally:
+        server.stop()

@@ -1,0 +1,100 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), for the anthropic SDK and
+Claude Code: each request translated into chat messages (gateway/anthropic_protocol.py),
+rendered by the one prompt path, and sent down the one generation path; its outputs worded by
+gateway/anthropic_wire.py. Errors leave in Anthropic's shape (the app's error middleware picks
+it by path).
+
+cache_control breakpoints pin the prompt's prefix up to each of them for its TTL (5 minutes
+unless `ttl` says 1h), in the tree's own pin accounting, refreshed by every request that marks
+them again, as Anthropic's cache is refreshed on each hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+from aiohttp import web
+
+from cache.tokens import common_prefix
+from engine.messages import GenerationRequest, SamplerSettings
+from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
+from gateway.anthropic_wire import AnthropicWire
+from gateway.errors import invalid
+from gateway.generation import Pin, Plan, admit, generate, json_response
+from gateway.protocol import completion_room, parse_request
+from gateway.service import Gateway
+
+routes = web.RouteTableDef()
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    tokens: list[int]
+    pins: tuple[Pin, ...]  # one per cache_control breakpoint
+
+
+@routes.post("/v1/messages")
+async def messages(request: web.Request) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(MessagesRequest, await request.read())
+    gateway.require_model(body.model)
+    admit(request)
+    prompt = await asyncio.to_thread(_render, gateway, body)
+    toolbox = body.toolbox()
+    wire = AnthropicWire(body.model, toolbox, len(prompt.tokens),
+                         max((pin.n_tokens for pin in prompt.pins), default=0))
+
+    def plan() -> Plan:
+        defaults, limits = gateway.config.sampling, gateway.config.limits
+        generation = GenerationRequest(
+            prompt_tokens=prompt.tokens,
+            max_tokens=completion_room(len(prompt.tokens), gateway.workers.seq_len,
+                                       body.max_tokens, limits.max_tokens, "messages"),
+            sampler=SamplerSettings(
+                grammar=toolbox.grammar() if toolbox is not None else None,
+                temperature=defaults.temperature if body.temperature is None
+                else body.temperature,
+                top_p=defaults.top_p if body.top_p is None else body.top_p,
+                top_k=defaults.top_k if body.top_k is None else body.top_k,
+                min_p=defaults.min_p),
+            stop=list(body.stop_sequences or []),
+            namespace=request["namespace"])
+        return Plan(generation, stream=body.stream, pins=prompt.pins)
+
+    return await generate(request, prompt.tokens, plan, wire)
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens as /v1/messages would render it, tools included."""
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(CountTokensRequest, await request.read())
+    gateway.require_model(body.model)
+    admit(request)
+    prompt = await asyncio.to_thread(_render, gateway, body, with_pins=False)
+    return json_response({"input_tokens": len(prompt.tokens)})
+
+
+def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
+            ) -> RenderedPrompt:
+    """The prompt's tokens, and how far each breakpoint reaches into them: the request cut
+    after the marked block renders a prompt that shares exactly that much with the whole one
+    (whatever the chat template writes around the parts)."""
+    tokens = _tokens(gateway, body)
+    pins = []
+    if with_pins:
+        whole = np.asarray(tokens)
+        for mark in body.breakpoints():
+            prefix = np.asarray(_tokens(gateway, body.cut(mark.where)))
+            pins.append(Pin(common_prefix(whole, prefix), mark.seconds))
+    return RenderedPrompt(tokens, tuple(pins))
+
+
+def _tokens(gateway: Gateway, body: CountTokensRequest) -> list[int]:
+    keep = gateway.config.keep_billing_header
+    try:
+        return gateway.prompts.chat(body.chat_messages(keep), body.toolbox())
+    except ValueError as exc:  # the chat template refused the messages (raise_exception)
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None

@@ -1,0 +1,273 @@
+"""Anthropic's Messages request bodies, validated strictly, and their translation into the chat
+messages and tools the one prompt path renders (gateway/prompts.py).
+
+Fields that change nothing for a local model are accepted and have no effect: `thinking` (for a
+model without reasoning), `context_management`, `output_config`, `metadata`, `safeguards`,
+`service_tier`, a tool's `defer_loading`. What cannot be
+served (image or document blocks for a text-only model, server tools) is a 400 naming it: user
+content is never dropped silently. `thinking` blocks of earlier assistant turns are the model's
+own reasoning and are left out of the prompt, as llama-server does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import invalid
+from gateway.protocol import (
+    CalledFunction,
+    CalledTool,
+    FunctionSpec,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    _Strict,
+)
+from gateway.tools import Toolbox
+
+# Claude Code's first system block: a billing line whose value changes with every conversation
+# (`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;`). Kept in the
+# prompt, it would make every session's prefix differ from every other's within its first
+# tokens; it means nothing to a local model.
+BILLING_HEADER = "x-anthropic-billing-header:"
+DEFAULT_TTL_SECONDS = 300.0
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
+class CacheControl(_Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def seconds(self) -> float:
+        return TTL_SECONDS[self.ttl] if self.ttl else DEFAULT_TTL_SECONDS
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[dict] | None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+    cache_control: CacheControl | None = None
+
+
+class UnservedBlock(BaseModel):
+    """A block this server cannot serve: refused by name (check_supported), whatever it holds."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document", "search_result", "server_tool_use",
+                  "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+                  "mcp_tool_use", "mcp_tool_result", "container_upload"]
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | UnservedBlock, Field(discriminator="type")]] \
+        | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # text blocks only, once check_supported passed
+            return "\n\n".join(block.text for block in self.content)
+        return self.content or ""
+
+
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                         | RedactedThinkingBlock | UnservedBlock, Field(discriminator="type")]
+
+
+class AnthropicMessage(_Strict):
+    # Claude Code puts a "system" turn (its environment) after the first user turn.
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+    output_config: dict | None = None  # per-turn effort (Claude Code): no effect here
+
+    def blocks(self) -> list:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) \
+            else self.content
+
+
+class AnthropicTool(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict | None = None  # required of custom tools; server tools have none
+    type: str | None = None  # None or "custom"; anything else is a server tool
+    cache_control: CacheControl | None = None
+    defer_loading: bool | None = None  # a hint for Anthropic's tool search: no effect here
+    strict: bool | None = None
+
+
+class AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A cache_control mark: where it stands (`cut` keeps the request up to it) and its TTL."""
+
+    where: tuple  # ("tools", i) | ("system", i) | ("messages", m, b)
+    seconds: float
+
+
+class CountTokensRequest(_Strict):
+    """What a prompt is made of: /v1/messages/count_tokens takes this alone."""
+
+    model: str
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    # Accepted, no effect on a model without reasoning or server-side context editing.
+    thinking: dict | None = None
+    context_management: dict | None = None
+    output_config: dict | None = None
+    safeguards: list[dict] | None = None  # Claude Code's classifier context: no effect here
+    mcp_servers: list[dict] | None = None
+
+    def check_supported(self) -> None:
+        if self.mcp_servers:
+            raise invalid("'mcp_servers' is not supported by this server", "mcp_servers")
+        for i, tool in enumerate(self.tools or []):
+            if tool.type not in (None, "custom"):
+                raise invalid(f"tools[{i}]: the server tool `{tool.type}` is not supported by "
+                              "this server; give custom tools (name, input_schema)",
+                              f"tools[{i}].type")
+            if tool.input_schema is None:
+                raise invalid(f"tools[{i}].input_schema: Field required",
+                              f"tools[{i}].input_schema")
+        for m, message in enumerate(self.messages):
+            for b, block in enumerate(message.blocks()):
+                inner = block.content if isinstance(block, ToolResultBlock) \
+                    and isinstance(block.content, list) else [block]
+                for unserved in (x for x in inner if isinstance(x, UnservedBlock)):
+                    raise invalid(f"messages[{m}].content[{b}]: `{unserved.type}` blocks are "
+                                  "not supported by this server (its model reads text only)",
+                                  f"messages[{m}].content[{b}]")
+        if self.tool_choice is not None and self.tool_choice.type == "tool" \
+                and not self.tool_choice.name:
+            raise invalid("tool_choice of type 'tool' needs a 'name'", "tool_choice.name")
+
+    def system_blocks(self, keep_billing_header: bool) -> list[TextBlock]:
+        if self.system is None:
+            return []
+        blocks = [TextBlock(type="text", text=self.system)] if isinstance(self.system, str) \
+            else self.system
+        return [b for b in blocks if keep_billing_header
+                or not b.text.startswith(BILLING_HEADER)]
+
+    def toolbox(self) -> Toolbox | None:
+        tools = [Tool(type="function", function=FunctionSpec(
+            name=t.name, description=t.description, parameters=t.input_schema))
+            for t in self.tools or []]
+        return Toolbox.of(tools, self._openai_tool_choice())
+
+    def _openai_tool_choice(self) -> object:
+        choice = self.tool_choice
+        if choice is None or choice.type == "auto":
+            return "auto"
+        if choice.type == "any":
+            return "required"
+        if choice.type == "none":
+            return "none"
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+    def chat_messages(self, keep_billing_header: bool) -> list[Message]:
+        """The conversation as chat messages: the system blocks as one system message, tool
+        results as tool messages (before the user's text, as Anthropic orders them), tool uses
+        as the assistant's tool calls."""
+        turns = []
+        system = self.system_blocks(keep_billing_header)
+        if system:
+            turns.append(Message(role="system", content="\n\n".join(b.text for b in system)))
+        for message in self.messages:
+            blocks = message.blocks()
+            texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+            if message.role == "system":
+                turns.append(Message(role="system", content="\n\n".join(texts)))
+                continue
+            if message.role == "user":
+                turns += [Message(role="tool", tool_call_id=b.tool_use_id, content=b.text())
+                          for b in blocks if isinstance(b, ToolResultBlock)]
+                if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    turns.append(Message(role="user", content="\n\n".join(texts)))
+                continue
+            calls = [CalledTool(id=b.id, type="function", function=CalledFunction(
+                name=b.name, arguments=json.dumps(b.input)))
+                for b in blocks if isinstance(b, ToolUseBlock)]
+            turns.append(Message(role="assistant", content="".join(texts),
+                                 tool_calls=calls or None))
+        return turns
+
+    def breakpoints(self) -> list[Breakpoint]:
+        """Every cache_control mark, in prompt order (tools, system, messages)."""
+        marks = [Breakpoint(("tools", i), t.cache_control.seconds)
+                 for i, t in enumerate(self.tools or []) if t.cache_control]
+        if isinstance(self.system, list):
+            marks += [Breakpoint(("system", i), b.cache_control.seconds)
+                      for i, b in enumerate(self.system) if b.cache_control]
+        for m, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                marks += [Breakpoint(("messages", m, b), block.cache_control.seconds)
+                          for b, block in enumerate(message.content) if block.cache_control]
+        return marks
+
+    def cut(self, where: tuple) -> CountTokensRequest:
+        """The request up to and including the marked block: what the prefix up to a
+        breakpoint holds (the next part would follow it in the prompt). A tool_choice may name
+        a tool past the cut and adds nothing before it: only `none` (no tools) is kept."""
+        keep = self.tool_choice if self.tool_choice and self.tool_choice.type == "none" else None
+        part, update = where[0], {"tool_choice": keep}
+        if part == "tools":
+            update |= {"tools": self.tools[: where[1] + 1], "system": None, "messages": []}
+        elif part == "system":
+            update |= {"system": self.system[: where[1] + 1], "messages": []}
+        else:
+            m, b = where[1], where[2]
+            last = self.messages[m].model_copy(
+                update={"content": self.messages[m].content[: b + 1]})
+            update["messages"] = [*self.messages[:m], last]
+        return self.model_copy(update=update)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: Metadata | None = None
+    service_tier: str | None = None  # one tier here: accepted, no effect

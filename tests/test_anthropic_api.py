@@ -1,0 +1,177 @@
+"""Anthropic's Messages API through the anthropic SDK, against the real server on loopback: the
+same generation path as chat completions (a greedy answer is the same text), errors in
+Anthropic's shape, count_tokens, keys and tenants."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+ALIAS = "claude-sonnet-4-5"  # served through --model-alias 'claude-*'
+QUESTION = "What is the capital of France? Answer in one sentence."
+SYSTEM = "You are a terse geography tutor. " * 20  # ~140 tokens: a couple of cached blocks
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    """Greedy by default (--temperature 0), as agent clients send no temperature."""
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("".join(f"{key} {tenant}\n" for key, tenant in KEYS.items()))
+    server = GatewayProcess(model_path, "--parallel", "4", "--ctx-size", "8192",
+                            "--temperature", "0", "--model-alias", "claude-*",
+                            "--api-keys-file", str(keys), "--max-body-mb", "1")
+    yield server
+    server.stop()
+
+
+def client(server: GatewayProcess, key: str = "key-a") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0)
+
+
+def ask(server: GatewayProcess, key: str = "key-a", **fields) -> anthropic.types.Message:
+    request = {"model": ALIAS, "max_tokens": 24,
+               "messages": [{"role": "user", "content": QUESTION}], **fields}
+    return client(server, key).messages.create(**request)
+
+
+def prompt_total(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens \
+        + usage.cache_creation_input_tokens
+
+
+def test_a_message_is_the_chat_completion_of_the_same_conversation(server):
+    """One generation path: the greedy answer to the same system prompt and question is the
+    same text, on the same prompt tokens."""
+    message = ask(server, system=SYSTEM)
+    chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key="key-a", max_retries=0
+                         ).chat.completions.create(
+        model=server.model_name, max_tokens=24, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    assert message.id.startswith("msg_") and message.type == "message"
+    assert message.role == "assistant" and message.model == ALIAS
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
+        chat.choices[0].finish_reason]
+    assert prompt_total(message.usage) == chat.usage.prompt_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_the_server_default_temperature_applies_when_none_is_sent(server):
+    """--temperature 0: two requests without a temperature give one answer."""
+    first, second = ask(server, max_tokens=32), ask(server, max_tokens=32)
+    assert first.content[0].text == second.content[0].text
+
+
+def test_stop_sequences_and_max_tokens_end_as_anthropic_says(server):
+    whole = ask(server).content[0].text
+    word = whole.split()[2]
+    stopped = ask(server, stop_sequences=["zzz-never", word])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert whole.startswith(stopped.content[0].text) and word not in stopped.content[0].text
+    cut = ask(server, max_tokens=3)
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
+
+
+def test_count_tokens_is_the_prompt_the_message_is_made_of(server):
+    tools = [{"name": "get_weather", "description": "Weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}]
+    messages = [{"role": "user", "content": QUESTION}]
+    count = client(server).messages.count_tokens(model=ALIAS, system=SYSTEM, tools=tools,
+                                                 messages=messages)
+    message = ask(server, system=SYSTEM, tools=tools, max_tokens=4)
+    assert count.input_tokens == prompt_total(message.usage)
+    without_tools = client(server).messages.count_tokens(model=ALIAS, system=SYSTEM,
+                                                         messages=messages)
+    assert without_tools.input_tokens < count.input_tokens
+
+
+def test_a_repeated_prompt_reads_the_cache_and_a_tenant_never_reads_anothers(server):
+    system = "You keep the harbour's logbook and answer about it. " * 12
+    first = ask(server, system=system)
+    again = ask(server, system=system)
+    # The first shares no more than the template's opening with earlier requests of tenant a.
+    assert first.usage.cache_read_input_tokens < 16
+    assert again.usage.cache_read_input_tokens >= 128
+    assert prompt_total(again.usage) == prompt_total(first.usage)
+    other = ask(server, "key-b", system=system)
+    assert other.usage.cache_read_input_tokens == 0
+    assert other.content[0].text == first.content[0].text
+
+
+def raw(server: GatewayProcess, body: bytes | dict, headers: dict | None = None,
+        path: str = "/v1/messages") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.base_url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {"x-api-key": "key-a"})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+USER = [{"role": "user", "content": "hi"}]
+ERRORS = [
+    # (body, status, error type, words the message holds)
+    (b"{not json", 400, "invalid_request_error", "JSON"),
+    ({"model": ALIAS, "messages": USER}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": ALIAS, "max_tokens": 0, "messages": USER}, 400, "invalid_request_error",
+     "max_tokens"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": []}, 400, "invalid_request_error",
+     "messages"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": USER, "temperature": 1.5}, 400,
+     "invalid_request_error", "temperature"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AAAA"}}]}]}, 400, "invalid_request_error",
+     "image"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                        "data": "x"}}]}]}, 400, "invalid_request_error",
+     "document"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": USER, "mcp_servers": [{"url": "x"}]}, 400,
+     "invalid_request_error", "mcp_servers"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": USER, "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "invalid_request_error", "tools"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": USER,
+      "tool_choice": {"type": "tool", "name": "nope"},
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
+     "invalid_request_error", "nope"),
+    ({"model": "gpt-4o", "max_tokens": 8, "messages": USER}, 404, "not_found_error", "gpt-4o"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": "word " * 9000}]},
+     400, "invalid_request_error", "context length"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "words"), ERRORS)
+def test_what_cannot_be_served_is_an_anthropic_error(server, body, status, kind, words):
+    got_status, error = raw(server, body)
+    assert got_status == status
+    assert error["type"] == "error" and error["error"]["type"] == kind
+    assert words.lower() in error["error"]["message"].lower()
+
+
+def test_the_middlewares_answer_in_anthropic_shape_and_x_api_key_is_a_key(server):
+    status, error = raw(server, {"model": ALIAS, "max_tokens": 8, "messages": USER},
+                        {"x-api-key": "wrong"})
+    assert status == 401 and error["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        client(server, "wrong").messages.create(model=ALIAS, max_tokens=8, messages=USER)
+    status, error = raw(server, b"{" + b" " * (2 << 20) + b"}")
+    assert status == 413 and error["error"]["type"] == "request_too_large"
+    status, _ = raw(server, {"model": ALIAS, "max_tokens": 8, "messages": USER},
+                    {"Authorization": "Bearer key-b"})
+    assert status == 200
+    server.settled()
