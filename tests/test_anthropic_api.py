@@ -49,11 +49,12 @@ def prompt_total(usage) -> int:
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(server):
     """One generation path: the greedy answer to the same system prompt and question is the
-    same text, on the same prompt tokens."""
+    same text, on the same prompt tokens. Neither request sends a temperature: --temperature 0
+    applies to both APIs."""
     message = ask(server, system=SYSTEM)
     chat = openai.OpenAI(base_url=server.base_url + "/v1", api_key="key-a", max_retries=0
                          ).chat.completions.create(
-        model=server.model_name, max_tokens=24, temperature=0,
+        model=server.model_name, max_tokens=24,  # greedy by the server's default, as is ask()
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
     assert message.id.startswith("msg_") and message.type == "message"
     assert message.role == "assistant" and message.model == ALIAS
@@ -106,6 +107,89 @@ def test_a_repeated_prompt_reads_the_cache_and_a_tenant_never_reads_anothers(ser
     other = ask(server, "key-b", system=system)
     assert other.usage.cache_read_input_tokens == 0
     assert other.content[0].text == first.content[0].text
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {
+               "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def test_a_stream_is_the_whole_message_in_anthropics_events(server):
+    request = {"model": ALIAS, "max_tokens": 24, "system": SYSTEM,
+               "messages": [{"role": "user", "content": QUESTION}]}
+    whole = client(server).messages.create(**request)
+    with client(server).messages.stream(**request) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.id.startswith("msg_")
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert prompt_total(final.usage) == prompt_total(whole.usage)
+    events = sse_events(server, {**request, "stream": True})
+    kinds = [name for name, _ in events]
+    assert all(data["type"] == name for name, data in events)
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+    start, delta = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    assert {k: start[k] for k in start if k != "output_tokens"} == \
+        {k: delta[k] for k in delta if k != "output_tokens"}  # the same split, told twice
+
+
+def sse_events(server: GatewayProcess, body: dict) -> list[tuple[str, dict]]:
+    request = urllib.request.Request(server.base_url + "/v1/messages",
+                                     data=json.dumps(body).encode(), headers={
+                                         "Content-Type": "application/json", "x-api-key": "key-a"})
+    events, name = [], None
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            if line.startswith(b"event: "):
+                name = line[7:].strip().decode()
+            elif line.startswith(b"data: "):
+                events.append((name, json.loads(line[6:])))
+    return events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_use_then_its_result(server, stream):
+    """tool_choice `tool` forces a call whose input fits the schema (a grammar); the result
+    goes back as a tool_result and the model answers in text."""
+    import jsonschema
+
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    request = {"model": ALIAS, "max_tokens": 40, "tools": [WEATHER], "messages": [question],
+               "tool_choice": {"type": "tool", "name": "get_weather"}}
+    if stream:
+        with client(server).messages.stream(**request) as events:
+            message = events.get_final_message()
+    else:
+        message = client(server).messages.create(**request)
+    assert message.stop_reason == "tool_use"
+    (call,) = message.content
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert call.id.startswith("toolu_")
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    answer = client(server).messages.create(model=ALIAS, max_tokens=24, tools=[WEATHER],
+                                            messages=[question, {
+        "role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                          "input": call.input}]}, {
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                     "content": "18 degrees and sunny"}]}])
+    assert answer.content and answer.content[0].type == "text"
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_tool_choice_any_calls_one_of_the_tools(server):
+    clock = {"name": "get_time", "description": "The time in a city",
+             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                              "required": ["city"]}}
+    message = client(server).messages.create(
+        model=ALIAS, max_tokens=40, tools=[WEATHER, clock], tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "What time is it in Oslo?"}])
+    assert message.stop_reason == "tool_use"
+    assert message.content[-1].type == "tool_use"
+    assert message.content[-1].name in ("get_weather", "get_time")
 
 
 def raw(server: GatewayProcess, body: bytes | dict, headers: dict | None = None,
