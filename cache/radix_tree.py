@@ -19,6 +19,9 @@ Invariants (checked by the property tests):
   their descendants. Every such leaf that is not pinned waits in its namespace's eviction queue
   under its latest stamp, so that eviction never scans past blocks in use or pinned (the role
   of vLLM's free-block queue; a heap, because a parent that becomes a leaf keeps its old place).
+- A block a match uses only in part (often no more than a chat template's opening, which every
+  prompt shares) is not refreshed: else the first such block would stay the most recent for
+  every prompt that starts alike, and never be evicted.
 - A namespace past its share of the pool (`namespace_share`) makes room from its own leaves
   first, and an allocation of any other namespace takes from those past their share before
   anyone else: one tenant's flood cannot empty the pool of every other tenant's prefixes,
@@ -160,7 +163,8 @@ class RadixTree:
         for node in path:
             self.pool.retain(node.slot)
             node.hits += 1
-        self._touch(path)
+        partial = bool(path) and n < sum(len(node.tokens) for node in path)
+        self._touch(path[:-1] if partial else path)
         return Match(path, n)
 
     def matched_length(self, tokens: np.ndarray, namespace: bytes = b"") -> int:

@@ -85,10 +85,10 @@ def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
     tokens = _tokens(gateway, body)
     pins = []
     if with_pins:
-        whole = np.asarray(tokens)
+        whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
         for mark in body.breakpoints():
             prefix = np.asarray(_tokens(gateway, body.cut(mark.where)))
-            pins.append(Pin(common_prefix(whole, prefix), mark.seconds))
+            pins.append(Pin(common_prefix(whole, prefix), min(mark.seconds, longest)))
     return RenderedPrompt(tokens, tuple(pins))
 
 

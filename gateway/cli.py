@@ -132,7 +132,9 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
                         "prefixes are evicted first, so one tenant's flood cannot empty the "
                         "pool of every other's (1: plain LRU across tenants)")
     p.add_argument("--pin-hours", type=float, default=24.0,
-                   help='how long prompt_cache_retention "24h" pins a prompt (tests shorten it)')
+                   help='how long prompt_cache_retention "24h" pins a prompt, and the longest '
+                        "any pin lasts: cache_control TTLs (5m, 1h) are capped at it (tests "
+                        "shorten it)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="keep the cached blocks here across restarts (written at shutdown, "
                         "loaded at start)")

@@ -25,7 +25,9 @@ class WorkersConfig:
     # Past this share of the pool, a tenant makes room from its own least recently used
     # prefixes first, and other tenants' allocations take from it before anyone else.
     tenant_cache_share: float = 0.5
-    pin_hours: float = 24.0  # how long prompt_cache_retention "24h" pins (shorter in tests)
+    # How long prompt_cache_retention "24h" pins, and the longest any pin lasts (cache_control
+    # TTLs are capped at it). Shorter in tests.
+    pin_hours: float = 24.0
     log_level: str = "info"
     # A worker with requests in flight that sends nothing for this long is stuck (inside
     # llama.cpp, say): killed and replaced. None: never. A step here takes 2 s at the most.

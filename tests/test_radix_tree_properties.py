@@ -271,3 +271,26 @@ def test_plain_lru_across_tenants_lets_a_flood_evict_everyone():
         tree.release(tree.insert(np.full(2 * BLOCK, 100 + i, np.int32),
                                  lambda *_: tree.allocate(b"a"), b"a")[0])
     assert tree.matched_length(kept, b"b") == 0
+
+
+def test_a_block_matched_only_in_part_is_not_refreshed():
+    """Prompts that share only their first tokens (a chat template's opening) partly match the
+    oldest first block. Before, each such match refreshed it, so it outlived every flood."""
+    pool = BlockPool(4, BLOCK)
+    tree = RadixTree(pool)
+
+    def store(tokens: np.ndarray) -> None:
+        tree.release(tree.insert(tokens, lambda *_: tree.allocate())[0])
+
+    def prompt(k: int) -> np.ndarray:  # 3 shared tokens, then its own
+        return np.concatenate([[1, 2, 3], np.full(BLOCK - 3, 100 + k)]).astype(np.int32)
+
+    store(prompt(0))
+    for k in range(1, 9):
+        partial = tree.match(prompt(k))
+        assert 0 < partial.n_tokens < BLOCK  # the opening, from another prompt's block
+        tree.release(partial)
+        store(prompt(k))
+    assert tree.matched_length(prompt(0)) == 3  # prompt 0's own block is gone
+    assert tree.matched_length(prompt(8)) == BLOCK
+    assert tree.problems({}) == []

@@ -1,0 +1,146 @@
+"""cache_control on /v1/messages, against the real server: a breakpoint writes the prefix up to it
+and pins it for its TTL (capped by --pin-hours, shortened here), within the pin budget and the
+tenant's share of it; the usage fields tell what was written and read; Claude Code's billing
+header never splits two sessions' prefixes."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import pytest
+
+from gateway.anthropic_protocol import MessagesRequest
+from loadtest.gateway_process import GatewayProcess
+from tests.test_anthropic_api import ALIAS, client, prompt_total
+
+CC = {"type": "ephemeral"}
+PIN_SECONDS = 6
+
+
+def story(topic: str) -> str:
+    return f"{topic} was the subject of the harbour's evening talks for many years. " * 5
+
+
+@pytest.fixture
+def tiny_pool(model_path, tmp_path):
+    """4 blocks of 64 tokens in the pool, at most 2 pinned, pins of at most 6 s; plain LRU
+    across tenants (--tenant-cache-share 1), so that only pins keep a prefix from a flood."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "6", "--pin-budget-mb", "3", "--pin-hours", str(PIN_SECONDS / 3600),
+                            "--tenant-cache-share", "1", "--temperature", "0",
+                            "--model-alias", "claude-*", "--api-keys-file", str(keys))
+    yield server
+    server.stop()
+
+
+def ask(server: GatewayProcess, system: str, marked: bool, key: str = "key-a"):
+    block = {"type": "text", "text": system, **({"cache_control": CC} if marked else {})}
+    return client(server, key).messages.create(
+        model=ALIAS, max_tokens=4, system=[block],
+        messages=[{"role": "user", "content": "Say one word."}]).usage
+
+
+def test_a_breakpoint_writes_then_reads_and_the_fields_add_up(tiny_pool):
+    first = ask(tiny_pool, story("The lighthouse"), marked=True)
+    assert first.cache_read_input_tokens < 16 and first.cache_creation_input_tokens >= 60
+    again = ask(tiny_pool, story("The lighthouse"), marked=True)
+    assert again.cache_read_input_tokens >= 64
+    # What is left of the prefix past the last whole cached block is written again.
+    assert again.cache_creation_input_tokens < 64
+    assert prompt_total(again) == prompt_total(first)
+    unmarked = ask(tiny_pool, story("The ferry"), marked=False)
+    assert unmarked.cache_creation_input_tokens == 0  # no breakpoint, nothing written at one
+    tiny_pool.settled()
+
+
+def test_a_pinned_prefix_survives_a_flood_then_falls_back_to_lru(tiny_pool):
+    ask(tiny_pool, story("The lighthouse"), marked=True)
+    ask(tiny_pool, story("The ferry"), marked=False)
+    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):  # each evicts what it can
+        ask(tiny_pool, story(topic), marked=False)
+        metrics = tiny_pool.metrics()
+        assert metrics["prefixgate_prefix_cache_pinned_blocks"] <= \
+            metrics["prefixgate_prefix_cache_pin_budget_blocks"] == 2
+    assert ask(tiny_pool, story("The ferry"), marked=False).cache_read_input_tokens < 16
+    assert ask(tiny_pool, story("The lighthouse"), marked=False).cache_read_input_tokens >= 64
+    time.sleep(PIN_SECONDS + 0.5)  # the pin's TTL is over: an ordinary LRU prefix again
+    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
+        ask(tiny_pool, story(topic), marked=False)
+    assert ask(tiny_pool, story("The lighthouse"), marked=False).cache_read_input_tokens < 16
+    tiny_pool.settled()
+
+
+def test_one_tenants_pins_cannot_push_out_anothers(tiny_pool):
+    """The budget is 2 blocks. Tenant a marks three prompts; past the budget its own pins give
+    way (the tenant holding the most), and tenant b's pinned prefix survives a's flood."""
+    ask(tiny_pool, story("The pier"), marked=True, key="key-b")
+    for topic in ("Salt", "Nets", "Ice"):
+        ask(tiny_pool, story(topic), marked=True)
+        assert tiny_pool.metrics()["prefixgate_prefix_cache_pinned_blocks"] <= 2
+    for topic in ("Gulls", "Rope", "Tar", "Oars"):
+        ask(tiny_pool, story(topic), marked=False)
+    kept = ask(tiny_pool, story("The pier"), marked=False, key="key-b")
+    assert kept.cache_read_input_tokens >= 64
+    tiny_pool.settled()
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.328.{}; cc_entrypoint=sdk-cli;"
+AGENT = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
+
+
+def claude_code_like(question: str, suffix: str) -> dict:
+    """The system blocks Claude Code sends: its billing line (whose suffix is a hash of the
+    first question), then two marked blocks."""
+    return {"model": ALIAS, "max_tokens": 4, "system": [
+        {"type": "text", "text": BILLING.format(suffix)},
+        {"type": "text", "text": AGENT, "cache_control": CC},
+        {"type": "text", "text": story("The archive") * 2, "cache_control": CC}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": question, "cache_control": CC}]}]}
+
+
+def test_two_sessions_with_different_billing_headers_share_the_system_prompt(model_path):
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--temperature", "0", "--model-alias", "claude-*")
+    try:
+        first = client(server).messages.create(**claude_code_like("What is 2+2?", "3a8")).usage
+        second = client(server).messages.create(**claude_code_like("Name a color.", "4b8")
+                                                ).usage
+        assert first.cache_read_input_tokens < 16
+        # The whole system prompt (~150 tokens) is shared, not only the template's opening.
+        assert second.cache_read_input_tokens >= 128
+        server.settled()
+    finally:
+        server.stop()
+
+
+def test_the_billing_header_is_dropped_unless_kept():
+    request = MessagesRequest.model_validate(claude_code_like("Hi", "3a8"))
+    dropped = request.chat_messages(keep_billing_header=False)[0].content
+    kept = request.chat_messages(keep_billing_header=True)[0].content
+    assert "billing" not in dropped and dropped.startswith(AGENT)
+    assert kept.startswith(BILLING.format("3a8"))
+
+
+def test_a_breakpoint_reaches_as_far_as_its_block(tiny_pool):
+    """The pins' lengths, seen through the usage: marking only the system block writes the
+    system prompt; marking the question writes it too."""
+    system = story("The quay")
+    request = {"model": ALIAS, "max_tokens": 4, "system": [
+        {"type": "text", "text": system, "cache_control": CC}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a fish."}]}]}
+    at_system = client(tiny_pool).messages.create(**request).usage
+    count = client(tiny_pool).messages.count_tokens(model=ALIAS, system=system, messages=[
+        {"role": "user", "content": "Name a fish."}]).input_tokens
+    assert at_system.cache_creation_input_tokens + at_system.cache_read_input_tokens < count
+    request["messages"][0]["content"][0]["cache_control"] = CC
+    at_question = client(tiny_pool).messages.create(**request).usage
+    assert at_question.cache_creation_input_tokens + at_question.cache_read_input_tokens > \
+        at_system.cache_creation_input_tokens + at_system.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError):  # a TTL Anthropic does not have
+        client(tiny_pool).messages.create(**{**request, "system": [
+            {"type": "text", "text": system, "cache_control": {"type": "ephemeral",
+                                                               "ttl": "2h"}}]})
