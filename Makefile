@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF
 
-.PHONY: setup serve test lint bench system-deps
+.PHONY: setup serve test lint bench system-deps agents
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,21 @@ serve: setup
 lint: setup
 	$(PY) -m ruff check .
 
-test: lint system-deps
+test: lint system-deps agents
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The agent CLIs the tests drive against the server, pinned, from npm (into .agents/; Claude
+# Code brings its native binary as an npm package, ~360 MB). npm comes with Node (20 or newer),
+# installed with apt when missing.
+AGENTS := .agents
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.328
+agents: $(AGENTS)/.installed
+
+$(AGENTS)/.installed: Makefile
+	@command -v npm >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm)
+	npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error $(AGENT_CLIS)
+	touch $@
 
 # What the tests run besides Python: a real redis-server, docker-compose to validate
 # compose.yaml, and headless Chromium with its driver for the cache page. Installed with apt

@@ -205,18 +205,23 @@ class CountTokensRequest(_Strict):
         return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 
     def chat_messages(self, keep_billing_header: bool) -> list[Message]:
-        """The conversation as chat messages: the system blocks as one system message, tool
-        results as tool messages (before the user's text, as Anthropic orders them), tool uses
-        as the assistant's tool calls."""
-        turns = []
-        system = self.system_blocks(keep_billing_header)
-        if system:
-            turns.append(Message(role="system", content="\n\n".join(b.text for b in system)))
+        """The conversation as chat messages: the system blocks, then any system turn of the
+        conversation, as one system message; tool results as tool messages (before the user's
+        text, as Anthropic orders them), tool uses as the assistant's tool calls.
+
+        A system turn is folded into the system message because chat templates render a system
+        message only first (many refuse one elsewhere), and a small model answers the last
+        message it sees: Claude Code sends its environment as a system turn after the question,
+        and, rendered there, the model described the environment instead of answering."""
+        system = [b.text for b in self.system_blocks(keep_billing_header)]
+        for message in self.messages:
+            if message.role == "system":
+                system += [b.text for b in message.blocks() if isinstance(b, TextBlock)]
+        turns = [Message(role="system", content="\n\n".join(system))] if system else []
         for message in self.messages:
             blocks = message.blocks()
             texts = [b.text for b in blocks if isinstance(b, TextBlock)]
             if message.role == "system":
-                turns.append(Message(role="system", content="\n\n".join(texts)))
                 continue
             if message.role == "user":
                 turns += [Message(role="tool", tool_call_id=b.tool_use_id, content=b.text())

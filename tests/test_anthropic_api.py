@@ -259,3 +259,23 @@ def test_the_middlewares_answer_in_anthropic_shape_and_x_api_key_is_a_key(server
                     {"Authorization": "Bearer key-b"})
     assert status == 200
     server.settled()
+
+
+def test_a_recorded_full_size_claude_code_request_is_understood():
+    """Claude Code 2.1.328's whole body (its default system prompt, 12 tools, a system turn),
+    recorded: every field parses, the billing header is left out, and the breakpoints are its
+    two system blocks and its last message's block."""
+    from pathlib import Path
+
+    from gateway.anthropic_protocol import BILLING_HEADER, MessagesRequest
+    from gateway.protocol import parse_request
+
+    body = (Path(__file__).parent / "fixtures" / "claude_code_2.1.328_request.json").read_bytes()
+    request = parse_request(MessagesRequest, body)
+    turns = request.chat_messages(keep_billing_header=False)
+    assert turns[0].role == "system" and BILLING_HEADER not in turns[0].content
+    assert "# Environment" in turns[0].content  # its system turn, folded in
+    assert [t.role for t in turns[1:]] == ["user"]
+    assert len(request.toolbox().functions) == 12
+    assert [mark.where for mark in request.breakpoints()] == [
+        ("system", 1), ("system", 2), ("messages", 1, 0)]
