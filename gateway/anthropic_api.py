@@ -18,12 +18,12 @@ import numpy as np
 from aiohttp import web
 
 from cache.tokens import common_prefix
-from engine.messages import GenerationRequest, SamplerSettings
+from engine.messages import GenerationRequest
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic_wire import AnthropicWire
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
-from gateway.protocol import completion_room, parse_request
+from gateway.protocol import completion_room, parse_request, sampler_settings
 from gateway.service import Gateway
 
 routes = web.RouteTableDef()
@@ -47,18 +47,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
                          max((pin.n_tokens for pin in prompt.pins), default=0))
 
     def plan() -> Plan:
-        defaults, limits = gateway.config.sampling, gateway.config.limits
         generation = GenerationRequest(
             prompt_tokens=prompt.tokens,
             max_tokens=completion_room(len(prompt.tokens), gateway.workers.seq_len,
-                                       body.max_tokens, limits.max_tokens, "messages"),
-            sampler=SamplerSettings(
-                grammar=toolbox.grammar() if toolbox is not None else None,
-                temperature=defaults.temperature if body.temperature is None
-                else body.temperature,
-                top_p=defaults.top_p if body.top_p is None else body.top_p,
-                top_k=defaults.top_k if body.top_k is None else body.top_k,
-                min_p=defaults.min_p),
+                                       body.max_tokens, gateway.config.limits.max_tokens,
+                                       "messages"),
+            sampler=sampler_settings(
+                gateway.config.sampling, body.temperature, body.top_p, body.top_k,
+                grammar=toolbox.grammar() if toolbox is not None else None),
             stop=list(body.stop_sequences or []),
             namespace=request["namespace"])
         return Plan(generation, stream=body.stream, pins=prompt.pins)

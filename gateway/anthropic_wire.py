@@ -54,10 +54,11 @@ class AnthropicWire(Wire):
 
     def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
         events = [] if self._started else self._start(output)
-        if self.toolbox is None:
-            if output.text:
-                events += self._text(output.text)
-        elif output.last:  # held back until whole: only then is it known to be a call
+        streamable = choice.streamable(output, self.toolbox)
+        if streamable is not None:
+            if streamable[0]:
+                events += self._text(streamable[0])
+        elif output.last:  # held back while it may be a call: whole, it is known
             call = self._call(choice)
             if call is None:
                 events += self._text(choice.text)
@@ -75,7 +76,7 @@ class AnthropicWire(Wire):
                 "content": content}
 
     def _call(self, choice: Choice) -> ToolCall | None:
-        if self.toolbox is not None and choice.tool_call is None:
+        if self.toolbox is not None and choice.tool_call is None and not choice.texting:
             choice.tool_call = self.toolbox.parse(choice.text, choice.finish_reason)
         return choice.tool_call
 

@@ -25,7 +25,7 @@ from gateway.errors import APIError, invalid
 from gateway.handles import GenerationHandle
 from gateway.service import Gateway
 from gateway.supervisor import Overloaded
-from gateway.tools import ToolCall
+from gateway.tools import Toolbox, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,19 @@ class Choice:
     tool_call: ToolCall | None = None  # the answer was this call (set by the API's wire)
     usage: Usage | None = None  # on its last output
     n_generated: int = 0  # completion tokens so far, also when it never finishes
+    texting: bool = False  # known to be text, not a tool call: streamed as it comes
+
+    def streamable(self, output: Output, toolbox: Toolbox | None
+                   ) -> tuple[str, list[TokenLogprob]] | None:
+        """What of this choice can be streamed with `output` (already added): None while the
+        answer may still be a tool call (held back), else the new text and its logprobs, or
+        everything so far the moment it is known to be text."""
+        if toolbox is None or self.texting:
+            return output.text, list(output.logprobs)
+        if toolbox.may_call(self.text):
+            return None
+        self.texting = True
+        return self.text, self.logprobs
 
 
 @dataclass(frozen=True)

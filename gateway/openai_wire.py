@@ -69,10 +69,10 @@ class OpenAIWire(Wire):
     terminator = b"data: [DONE]\n\n"
 
     def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
-        return self._text_then_finish(output.text, output.finish_reason, output.logprobs, index)
+        return self._text_then_finish(output.text, output.logprobs, output.finish_reason, index)
 
-    def _text_then_finish(self, text: str, finish_reason: str | None,
-                          logprobs: list[TokenLogprob], index: int) -> list[Event]:
+    def _text_then_finish(self, text: str, logprobs: list[TokenLogprob],
+                          finish_reason: str | None, index: int) -> list[Event]:
         """As OpenAI streams: the text, then a chunk of its own with the finish_reason and an
         empty delta (clients that key on that chunk still see every token)."""
         events = []
@@ -121,16 +121,17 @@ class ChatWire(OpenAIWire):
                 for i in range(n_choices)]
 
     def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
-        """With tools offered, a choice is held back until it is whole: only then is it known
-        to be a call (sent as tool_calls deltas) or text."""
-        if self.toolbox is None:
-            return super().on_output(index, output, choice)
+        """With tools offered, a choice is held back while it may be a call; whole, a call is
+        sent as tool_calls deltas."""
+        streamable = choice.streamable(output, self.toolbox)
+        if streamable is not None:
+            return self._text_then_finish(*streamable, output.finish_reason, index)
         if not output.last:
             return []
         choice.tool_call = self.toolbox.parse(choice.text, output.finish_reason)
         if choice.tool_call is not None:
             return [Event(chunk) for chunk in self.tool_call_chunks(choice.tool_call, index)]
-        return self._text_then_finish(choice.text, output.finish_reason, choice.logprobs, index)
+        return self._text_then_finish(choice.text, choice.logprobs, output.finish_reason, index)
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
         if self.toolbox is not None:

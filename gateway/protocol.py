@@ -159,18 +159,13 @@ class _Sampling(_Strict):
             max_tokens=completion_room(
                 len(prompt_tokens), seq_len, self.requested_max_tokens(), max_tokens_cap,
                 "messages" if isinstance(self, ChatCompletionRequest) else "prompt"),
-            sampler=SamplerSettings(
-                grammar=self.output_grammar(),
-                temperature=defaults.temperature if self.temperature is None
-                else self.temperature,
-                top_p=defaults.top_p if self.top_p is None else self.top_p,
-                top_k=defaults.top_k if self.top_k is None else max(self.top_k, 0),
-                min_p=defaults.min_p if self.min_p is None else self.min_p,
-                seed=self.seed,
+            sampler=sampler_settings(
+                defaults, self.temperature, self.top_p,
+                None if self.top_k is None else max(self.top_k, 0), self.min_p,
+                grammar=self.output_grammar(), seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0,
-            ),
+                repetition_penalty=self.repetition_penalty or 1.0),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
@@ -188,6 +183,17 @@ class _Sampling(_Strict):
                               "logit_bias")
             biases[int(key)] = bias
         return biases
+
+
+def sampler_settings(defaults: SamplingDefaults, temperature: float | None,
+                     top_p: float | None, top_k: int | None = None, min_p: float | None = None,
+                     **fixed) -> SamplerSettings:
+    """What a request asks for, the server's defaults where it leaves a parameter out."""
+    return SamplerSettings(
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k,
+        min_p=defaults.min_p if min_p is None else min_p, **fixed)
 
 
 def completion_room(n_prompt: int, seq_len: int, wanted: int | None, cap: int | None,

@@ -95,6 +95,13 @@ class Toolbox:
     def system_text(self) -> str:
         return TOOL_PROMPT + json.dumps(list(self.functions.values()))
 
+    def may_call(self, text: str) -> bool:
+        """Whether an answer that begins with `text` may still be a call: a forced one always
+        is; with `auto` a call is the whole answer as a JSON object, so an answer that starts
+        with anything but `{` is text, and can be streamed."""
+        stripped = text.lstrip()
+        return self.forced is not None or not stripped or stripped.startswith("{")
+
     def answer_head(self) -> str:
         """What the answer starts with before the model writes: a named call's head."""
         return f'{{"name": {json.dumps(self.forced)}, "arguments": ' if self.forced else ""

@@ -279,3 +279,15 @@ def test_a_recorded_full_size_claude_code_request_is_understood():
     assert len(request.toolbox().functions) == 12
     assert [mark.where for mark in request.breakpoints()] == [
         ("system", 1), ("system", 2), ("messages", 1, 0)]
+
+
+def test_with_tools_offered_a_text_answer_streams_as_it_comes(server):
+    """A call is the whole answer as a JSON object: an answer that starts otherwise is text and
+    is streamed at once. (Before, with tools offered every answer was held back to its end, so
+    Claude Code, which always sends tools, saw its first token only with the last.)"""
+    events = sse_events(server, {"model": ALIAS, "max_tokens": 24, "stream": True,
+                                 "tools": [WEATHER],
+                                 "messages": [{"role": "user", "content": QUESTION}]})
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert len(deltas) > 3 and all(d["type"] == "text_delta" for d in deltas)
+    assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
