@@ -30,10 +30,10 @@ test: lint system-deps agents
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The agent CLIs the tests drive against the server, pinned, from npm (into .agents/; Claude
-# Code brings its native binary as an npm package, ~360 MB). npm comes with Node (20 or newer),
-# installed with apt when missing.
+# Code and Codex bring their native binaries as npm packages, ~360 and ~170 MB). npm comes
+# with Node (20 or newer), installed with apt when missing.
 AGENTS := .agents
-AGENT_CLIS := @anthropic-ai/claude-code@2.1.328
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.328 @openai/codex@0.169.0
 agents: $(AGENTS)/.installed
 
 $(AGENTS)/.installed: Makefile

@@ -45,6 +45,10 @@ class Metrics:
                                          "Completion tokens generated", registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.hosted_tools_left_out = Counter(
+            "prefixgate_responses_hosted_tools_left_out",
+            "Hosted tools (web_search, ...) a /v1/responses request offered, which cannot run "
+            "here and were left out of the prompt", ["type"], registry=r)
         r.register(_EngineCollector(workers))
         self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
         self.ttft_count = 0

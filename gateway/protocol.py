@@ -86,11 +86,12 @@ class NamedToolChoice(_Strict):
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
-def _require_schema_name(json_schema: dict | None) -> None:
+def _require_schema_name(json_schema: dict | None,
+                         param: str = "response_format.json_schema.name") -> None:
     name = json_schema.get("name") if isinstance(json_schema, dict) else None
     if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
-        raise invalid("response_format json_schema needs a `name` of letters, digits, "
-                      "underscores and dashes, at most 64", "response_format.json_schema.name")
+        raise invalid(f"{param.rpartition('.')[0]} needs a `name` of letters, digits, "
+                      "underscores and dashes, at most 64", param)
 
 
 class ResponseFormat(_Strict):

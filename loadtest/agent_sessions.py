@@ -67,8 +67,6 @@ def session_request(recorded: dict, history: list[dict], max_tokens: int) -> dic
 
 def run_sessions(base_url: str, n_sessions: int, n_turns: int, max_tokens: int) -> list[Turn]:
     recorded = json.loads(RECORDED.read_text())
-    client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0,
-                                 timeout=600)
     rows = []
     for s in range(n_sessions):
         history: list[dict] = []
@@ -76,6 +74,10 @@ def run_sessions(base_url: str, n_sessions: int, n_turns: int, max_tokens: int) 
             question = QUESTIONS[(s + t) % len(QUESTIONS)] + f" (session {s + 1})" * (t == 0)
             history.append({"role": "user", "content": question})
             request = session_request(recorded, history, max_tokens)
+            # A client per turn: llama-server closes idle keep-alive connections, and a request
+            # sent on one it just closed fails.
+            client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0,
+                                         timeout=600)
             start, ttft = time.perf_counter(), None
             with client.messages.stream(**request) as stream:
                 for _ in stream.text_stream:
@@ -137,6 +139,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--llama-server", type=Path, default=ROOT / ".bench" / "llama-server")
+
     p.add_argument("--systems", nargs="+", default=["prefixgate", "llama-server"])
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--turns", type=int, default=6)
@@ -147,8 +150,8 @@ def main() -> None:
     model = args.model or default_model_path()
     results = {}
     for name in args.systems:
-        command = commands(model, args.llama_server, args.threads, args.ctx_size)[name]
         print(f"{name}:", flush=True)
+        command = commands(model, args.llama_server, args.threads, args.ctx_size)[name]
         server = ServerProcess(command, "/health", ROOT / "loadtest" / "results" /
                                f"agent_sessions_{name}.log")
         try:

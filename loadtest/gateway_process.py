@@ -89,7 +89,11 @@ class GatewayProcess(ServerProcess):
 
     def per_worker(self, name: str) -> dict[str, float]:
         """Worker id -> value of a `prefixgate_worker_*` sample."""
-        return {s.labels["worker"]: s.value for s in self._samples() if s.name == name}
+        return self.labelled(name, "worker")
+
+    def labelled(self, name: str, label: str) -> dict[str, float]:
+        """A label's value -> the value of each `name` sample."""
+        return {s.labels[label]: s.value for s in self._samples() if s.name == name}
 
     def _samples(self):
         request = urllib.request.Request(self.base_url + "/metrics", headers={

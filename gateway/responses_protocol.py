@@ -1,0 +1,326 @@
+"""OpenAI's Responses request bodies (POST /v1/responses), validated strictly, and their
+translation into the chat messages and tools the one prompt path renders.
+
+Input items: messages (roles system, developer, user, assistant; `input_text`, `output_text`
+and `refusal` parts), `function_call`, `function_call_output`, and `reasoning` items (a model
+without reasoning produced none: they are skipped). Leading system and developer messages (and
+`instructions`) become one system message, as chat templates render a system message first.
+
+Tools: `function` tools are served; a `namespace` tool's functions are offered to the model as
+`<namespace>__<name>` and a call to one comes back with its own name and `namespace`, as OpenAI
+names it. Hosted tools that cannot run here (web search, file search, code interpreter, computer
+use, image generation, MCP, shells, custom grammars) are left out of what the model sees: the
+client gets an answer, and the gateway counts and logs them (HOSTED_TOOLS).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from gateway.errors import invalid
+from gateway.protocol import (
+    CalledFunction,
+    CalledTool,
+    FunctionSpec,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    _require_schema_name,
+    _Strict,
+)
+from gateway.structured import grammar_for
+from gateway.tools import Toolbox
+
+NAMESPACE_SEPARATOR = "__"
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                "web_search_2025_08_26", "file_search", "code_interpreter", "computer_use",
+                "computer_use_preview", "image_generation", "mcp", "local_shell", "shell",
+                "apply_patch", "tool_search", "custom")
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class UnservedPart(BaseModel):
+    """A part this server cannot serve: refused by name (check_supported)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+Part = Annotated[InputText | OutputText | Refusal | UnservedPart, Field(discriminator="type")]
+
+
+def _part_text(part: InputText | OutputText | Refusal) -> str:
+    return part.refusal if isinstance(part, Refusal) else part.text
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] | None = None  # an "easy" message leaves it out
+    id: str | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part]
+    status: str | None = None
+    phase: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n\n".join(_part_text(p) for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+    namespace: str | None = None
+    status: str | None = None
+
+    def offered_name(self) -> str:
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace \
+            else self.name
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str | list[Part]
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "\n\n".join(_part_text(p) for p in self.output)
+
+
+class ReasoningItem(BaseModel):
+    """The model's own reasoning of an earlier turn: none from a model without reasoning."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+class UnservedItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(
+        value, "type", "message")
+    known = ("message", "function_call", "function_call_output", "reasoning")
+    return kind if kind in known else "unserved"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[UnservedItem, Tag("unserved")],
+    Discriminator(_item_kind)]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(_Strict):
+    type: Literal["namespace"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class HostedTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "namespace") else "hosted"
+
+
+ToolSpec = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[HostedTool, Tag("hosted")], Discriminator(_tool_kind)]
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    # OpenAI's prompt-cache words: a routing hint, and "24h" pins the prompt's blocks.
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Accepted, no effect here: a model without reasoning, one tier, Codex's own bookkeeping.
+    reasoning: dict | None = None
+    service_tier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    client_metadata: dict | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    # Refused when asked for (check_supported): they would change the answer.
+    background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+
+    def check_supported(self) -> None:
+        for param, asked in {"background": bool(self.background),
+                             "conversation": self.conversation is not None,
+                             "prompt": self.prompt is not None,
+                             "previous_response_id": self.previous_response_id is not None
+                             }.items():
+            if asked:
+                raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
+        for i, item in enumerate(self.items()):
+            if isinstance(item, UnservedItem):
+                raise invalid(f"input[{i}]: `{item.type}` items are not supported by this server",
+                              f"input[{i}].type")
+            parts = item.content if isinstance(item, MessageItem) else \
+                item.output if isinstance(item, FunctionCallOutputItem) else ""
+            for part in parts if isinstance(parts, list) else []:
+                if isinstance(part, UnservedPart):
+                    raise invalid(f"input[{i}]: `{part.type}` parts are not supported by this "
+                                  "server (its model reads text only)", f"input[{i}].content")
+
+    def items(self) -> list:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return self.input
+
+    def hosted_tools(self) -> list[str]:
+        """The tools left out of what the model sees (they cannot run here)."""
+        return [t.type for t in self.tools or [] if isinstance(t, HostedTool)]
+
+    def functions(self) -> list[Tool]:
+        """Every function the model is offered, namespaced ones under their offered name."""
+        offered = []
+        for tool in self.tools or []:
+            if isinstance(tool, FunctionTool):
+                offered.append(_offered(tool, tool.name))
+            elif isinstance(tool, NamespaceTool):
+                offered += [_offered(f, f"{tool.name}{NAMESPACE_SEPARATOR}{f.name}")
+                            for f in tool.tools]
+        return offered
+
+    def namespaced(self) -> dict[str, tuple[str, str]]:
+        """Offered name -> (namespace, name) of every namespaced function."""
+        return {f"{t.name}{NAMESPACE_SEPARATOR}{f.name}": (t.name, f.name)
+                for t in self.tools or [] if isinstance(t, NamespaceTool) for f in t.tools}
+
+    def toolbox(self) -> Toolbox | None:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        return Toolbox.of(self.functions(), choice)
+
+    def output_grammar(self, toolbox: Toolbox | None) -> str | None:
+        if toolbox is not None and toolbox.forced is not None:
+            return toolbox.grammar()
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return grammar_for("json_object", None, param="text.format")
+        schema = {"name": fmt.name, "schema": fmt.schema_ or {}}
+        _require_schema_name(schema, "text.format.name")
+        return grammar_for("json_schema", schema, param="text.format")
+
+    def chat_messages(self) -> list[Message]:
+        """The input as chat messages: `instructions` and the leading system and developer
+        messages as one system message; calls as the assistant's tool calls, their outputs as
+        tool messages; reasoning items left out."""
+        items = [i for i in self.items() if not isinstance(i, ReasoningItem)]
+        system = [self.instructions] if self.instructions else []
+        while items and isinstance(items[0], MessageItem) \
+                and items[0].role in ("system", "developer"):
+            system.append(items.pop(0).text())
+        turns = [Message(role="system", content="\n\n".join(system))] if system else []
+        for item in items:
+            if isinstance(item, FunctionCallItem):
+                call = CalledTool(id=item.call_id, type="function", function=CalledFunction(
+                    name=item.offered_name(), arguments=_json_text(item.arguments)))
+                last = turns[-1] if turns else None
+                if last is not None and last.role == "assistant":
+                    last.tool_calls = [*(last.tool_calls or []), call]
+                else:
+                    turns.append(Message(role="assistant", content="", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutputItem):
+                turns.append(Message(role="tool", tool_call_id=item.call_id,
+                                     content=item.text()))
+            else:
+                turns.append(Message(role=item.role, content=item.text()))
+        return turns
+
+
+def _offered(tool: FunctionTool, name: str) -> Tool:
+    return Tool(type="function", function=FunctionSpec(
+        name=name[:64], description=tool.description, parameters=tool.parameters))
+
+
+def _json_text(arguments: str) -> str:
+    """A call's arguments as the prompt renders them: JSON, or an empty object if they are
+    not (a call cut by the length limit comes back partial)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "{}"
+    return arguments

@@ -1,0 +1,155 @@
+"""OpenAI's Responses API through the openai SDK, against the real server on loopback: the same
+generation path as chat completions (a greedy answer is the same text), function calls (also
+namespaced), structured output, streamed events, and what is refused."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    server = GatewayProcess(model_path, "--parallel", "4", "--ctx-size", "8192",
+                            "--temperature", "0")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_response_is_the_chat_completion_of_the_same_input(client, server):
+    response = client.responses.create(
+        model=server.model_name, instructions="You are a terse geography tutor.",
+        input=[{"role": "developer", "content": "Answer briefly."},
+               {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        max_output_tokens=24)
+    chat = client.chat.completions.create(
+        model=server.model_name, max_tokens=24, messages=[
+            {"role": "system", "content": "You are a terse geography tutor.\n\nAnswer briefly."},
+            {"role": "user", "content": QUESTION}])
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat.choices[0].message.content
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.instructions == "You are a terse geography tutor."
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                               else "completed")
+
+
+def test_a_string_input_and_the_length_limit(client, server):
+    cut = client.responses.create(model=server.model_name, input=QUESTION, max_output_tokens=3)
+    assert cut.status == "incomplete"
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and cut.output_text
+
+
+def test_a_function_call_round_trip(client, server):
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    called = client.responses.create(model=server.model_name, input=[question],
+                                     tools=[WEATHER], tool_choice="required",
+                                     max_output_tokens=40)
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    # The test model would call again after the result: "none" asks for the answer in text.
+    answer = client.responses.create(model=server.model_name, tools=[WEATHER],
+                                     tool_choice="none", max_output_tokens=24, input=[
+        question, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                   "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id,
+         "output": "18 degrees and sunny"}])
+    assert answer.output[0].type == "message" and answer.output_text
+
+
+def test_a_namespaced_function_comes_back_under_its_namespace(client, server):
+    namespace = {"type": "namespace", "name": "crm", "description": "Customer records",
+                 "tools": [{"type": "function", "name": "find_customer",
+                            "description": "Find a customer by name",
+                            "parameters": {"type": "object", "required": ["name"],
+                                           "properties": {"name": {"type": "string"}}}}]}
+    response = client.responses.create(model=server.model_name, tools=[namespace],
+                                       tool_choice="required", max_output_tokens=40,
+                                       input="Find the customer Ada Lovelace.")
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "find_customer"
+    assert call.namespace == "crm"
+
+
+def test_hosted_tools_are_left_out_and_counted(client, server):
+    name = "prefixgate_responses_hosted_tools_left_out_total"
+    before = server.labelled(name, "type").get("web_search", 0)
+    response = client.responses.create(
+        model=server.model_name, input=QUESTION, max_output_tokens=8,
+        tools=[{"type": "web_search"}, WEATHER])
+    assert response.status in ("completed", "incomplete")
+    assert server.labelled(name, "type")["web_search"] == before + 1
+
+
+def test_text_format_json_schema(client, server):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 30},
+                             "country": {"type": "string", "maxLength": 30}}}
+    response = client.responses.create(
+        model=server.model_name, input="Name a city and its country.", max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def test_a_stream_is_the_whole_response_in_typed_events(client, server):
+    request = {"model": server.model_name, "input": QUESTION, "max_output_tokens": 24}
+    whole = client.responses.create(**request)
+    with client.responses.stream(**request) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert {"response.output_text.delta"} == set(kinds[4:-4])
+    assert final.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_a_streamed_function_call(client, server):
+    with client.responses.stream(model=server.model_name, tools=[WEATHER],
+                                 tool_choice="required", max_output_tokens=40,
+                                 input="What is the weather in Oslo?") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input[0].content"),
+    ({"input": [{"type": "computer_call_output", "call_id": "x", "output": {}}]},
+     "input[0].type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "text.format"),
+])
+def test_what_cannot_be_served_is_a_400_naming_it(client, server, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{"model": server.model_name, "input": "hi", **fields})
+    assert refused.value.body["param"].startswith(param)
