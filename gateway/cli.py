@@ -37,6 +37,11 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
                    help="another model name served by the model (repeatable; * and ? match "
                         "any text, e.g. 'claude-*' for Claude Code's own names)")
+    p.add_argument("--response-store-mb", type=int, default=256,
+                   help="memory for stored /v1/responses (store: true), for GET and "
+                        "previous_response_id; past it the oldest are dropped")
+    p.add_argument("--response-store-hours", type=float, default=24.0,
+                   help="how long a stored response is kept at most")
     p.add_argument("--claude-billing-header", choices=("drop", "keep"), default="drop",
                    help="Claude Code's first system block (x-anthropic-billing-header: ...), "
                         "whose value changes with every conversation: drop it from the prompt "
@@ -263,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p),
         model_aliases=tuple(args.model_alias),
         keep_billing_header=args.claude_billing_header == "keep",
+        response_store_mb=args.response_store_mb,
+        response_store_hours=args.response_store_hours,
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
     with contextlib.suppress(KeyboardInterrupt):

@@ -63,6 +63,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_call: ToolCall | None = None  # the answer was this call (set by the API's wire)
     usage: Usage | None = None  # on its last output
+    generated: tuple[int, ...] = ()  # its token ids, once it has ended
     n_generated: int = 0  # completion tokens so far, also when it never finishes
     texting: bool = False  # known to be text, not a tool call: streamed as it comes
 
@@ -225,7 +226,7 @@ async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
             choice.n_generated = max(choice.n_generated, output.n_generated)
             if output.usage:
                 choice.finish_reason, choice.usage = output.finish_reason, output.usage
-                choice.stop_sequence = output.stop_sequence
+                choice.stop_sequence, choice.generated = output.stop_sequence, output.generated
             yield i, output
             unfinished -= output.last
     finally:

@@ -32,6 +32,15 @@ class PromptBuilder:
 
     def chat(self, messages: list[Message], toolbox: Toolbox | None = None) -> list[int]:
         """ValueError when the template refuses the messages (its raise_exception)."""
+        return self.tokenize_rendered(self.render_chat(messages, toolbox))
+
+    def tokenize_rendered(self, text: str) -> list[int]:
+        """Tokens of rendered text: the template writes any BOS itself, and its special tokens
+        must parse as such."""
+        return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    def render_chat(self, messages: list[Message], toolbox: Toolbox | None = None) -> str:
+        """The prompt's text. ValueError when the template refuses the messages."""
         if toolbox is not None and self.takes_tools:
             rendered = self._formatter(messages=[_native(m) for m in messages],
                                        tools=[{"type": "function", "function": f}
@@ -44,11 +53,8 @@ class PromptBuilder:
                 else:
                     turns.insert(0, {"role": "system", "content": toolbox.system_text()})
             rendered = self._formatter(messages=turns)
-        # The template writes any BOS itself, and its special tokens must parse as such. A named
-        # call's head follows, as the start of the answer.
-        head = toolbox.answer_head() if toolbox is not None else ""
-        return self.model.tokenize(rendered.prompt + head, add_special=False,
-                                   parse_special=True)
+        # A named call's head follows, as the start of the answer.
+        return rendered.prompt + (toolbox.answer_head() if toolbox is not None else "")
 
     def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from engine.messages import GenerationRequest
-from gateway.errors import invalid
-from gateway.generation import Pin, Plan, admit, generate
-from gateway.protocol import completion_room, parse_request, sampler_settings
-from gateway.responses_protocol import ResponsesRequest
+from gateway.errors import APIError, invalid
+from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
+from gateway.protocol import (
+    CalledFunction,
+    CalledTool,
+    Message,
+    completion_room,
+    parse_request,
+    sampler_settings,
+)
+from gateway.response_store import StoredResponse
+from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire
 from gateway.service import Gateway
+from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"
@@ -31,32 +41,137 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = parse_request(ResponsesRequest, await request.read())
     gateway.require_model(body.model)
     admit(request)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = gateway.responses.get(body.previous_response_id, request["namespace"])
+        if previous is None:
+            raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
+                          "previous_response_id", "previous_response_not_found")
     _leave_out_hosted_tools(gateway, body)
     toolbox = body.toolbox()
-    try:
-        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.chat_messages(),
-                                                toolbox)
-    except ValueError as exc:  # the chat template refused the messages (raise_exception)
-        raise invalid(f"The chat template rejected the input: {exc}", "input") from None
+    prompt = await asyncio.to_thread(_render, gateway, body, toolbox, previous)
     logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
-    wire = ResponsesWire(_echo(body), toolbox, body.namespaced(), len(prompt_tokens),
-                         gateway.model.token_piece if logprobs else None)
+
+    def store(done: dict, choice: Choice) -> None:
+        if body.store:
+            gateway.responses.put(StoredResponse(
+                done["id"], request["namespace"], done, body.input_items(),
+                [*prompt.turns, _answer(choice)], body.instructions, prompt.tools_text,
+                prompt.text + choice.text, prompt.tokens + list(choice.generated)))
+
+    wire = ResponsesWire(_echo(body), toolbox, body.namespaced(), len(prompt.tokens),
+                         gateway.model.token_piece if logprobs else None, store)
 
     def plan() -> Plan:
+        tokens = prompt.tokens
         generation = GenerationRequest(
-            prompt_tokens=prompt_tokens,
-            max_tokens=completion_room(len(prompt_tokens), gateway.workers.seq_len,
+            prompt_tokens=tokens,
+            max_tokens=completion_room(len(tokens), gateway.workers.seq_len,
                                        body.max_output_tokens, gateway.config.limits.max_tokens,
                                        "input"),
             sampler=sampler_settings(gateway.config.sampling, body.temperature, body.top_p,
                                      grammar=body.output_grammar(toolbox)),
             namespace=request["namespace"],
             logprobs=(body.top_logprobs or 0) if logprobs else None)
-        pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
+        pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()
         return Plan(generation, stream=body.stream, cache_key=body.prompt_cache_key, pins=pins)
 
-    return await generate(request, prompt_tokens, plan, wire)
+    return await generate(request, prompt.tokens, plan, wire)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    turns: list[Message]  # the conversation, without instructions
+    tools_text: str
+    text: str
+    tokens: list[int]
+
+
+def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
+            previous: StoredResponse | None) -> RenderedPrompt:
+    """The prompt. A continuation of a stored response with the same instructions and tools
+    starts from that response's own tokens (its prompt's and its generated ones), followed by
+    the new input as the template renders the next turn: its history is never tokenized again,
+    so all of it loads from the cache. Anything else is rendered afresh."""
+    turns = body.turns(previous.messages if previous else None)
+    tools_text = toolbox.system_text() if toolbox is not None else ""
+    try:
+        text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox)
+    except ValueError as exc:  # the chat template refused the messages (raise_exception)
+        raise invalid(f"The chat template rejected the input: {exc}", "input") from None
+    if previous is not None and previous.instructions == body.instructions \
+            and previous.tools_text == tools_text and text.startswith(previous.text):
+        tokens = previous.tokens + gateway.prompts.tokenize_rendered(text[len(previous.text):])
+    else:
+        tokens = gateway.prompts.tokenize_rendered(text)
+    return RenderedPrompt(turns, tools_text, text, tokens)
+
+
+def _answer(choice: Choice) -> Message:
+    """A response's answer as the next turn's history holds it."""
+    call = choice.tool_call
+    if call is None:
+        return Message(role="assistant", content=choice.text)
+    return Message(role="assistant", content="", tool_calls=[CalledTool(
+        id=call.id, type="function", function=CalledFunction(name=call.name,
+                                                             arguments=call.arguments))])
+
+
+@routes.get("/v1/responses/{response_id}")
+async def retrieve_response(request: web.Request) -> web.Response:
+    return json_response(_stored(request).body)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app["gateway"]
+    response_id = request.match_info["response_id"]
+    if not gateway.responses.delete(response_id, request["namespace"]):
+        raise _not_found(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def input_items(request: web.Request) -> web.Response:
+    """A page of the response's input items, as OpenAI lists them: `limit` (1-100, 20),
+    `order` (`desc` by default, or `asc`), `after` an item id."""
+    items = _stored(request).input_items
+    query = request.query
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        raise invalid("limit must be an integer", "limit") from None
+    if not 1 <= limit <= 100:
+        raise invalid("limit must be between 1 and 100", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be 'asc' or 'desc'", "order")
+    ordered = items if order == "asc" else items[::-1]
+    if "after" in query:
+        ids = [item["id"] for item in ordered]
+        if query["after"] not in ids:
+            raise invalid(f"No input item with id '{query['after']}'", "after")
+        ordered = ordered[ids.index(query["after"]) + 1:]
+    page = ordered[:limit]
+    return json_response({"object": "list", "data": page,
+                          "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None,
+                          "has_more": len(ordered) > limit})
+
+
+def _stored(request: web.Request) -> StoredResponse:
+    """The tenant's stored response, else a 404 (another tenant's is as good as absent)."""
+    gateway: Gateway = request.app["gateway"]
+    response_id = request.match_info["response_id"]
+    stored = gateway.responses.get(response_id, request["namespace"])
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
 
 
 def _leave_out_hosted_tools(gateway: Gateway, body: ResponsesRequest) -> None:

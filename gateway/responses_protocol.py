@@ -16,6 +16,7 @@ client gets an answer, and the gateway counts and logs them (HOSTED_TOOLS).
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -225,9 +226,7 @@ class ResponsesRequest(_Strict):
     def check_supported(self) -> None:
         for param, asked in {"background": bool(self.background),
                              "conversation": self.conversation is not None,
-                             "prompt": self.prompt is not None,
-                             "previous_response_id": self.previous_response_id is not None
-                             }.items():
+                             "prompt": self.prompt is not None}.items():
             if asked:
                 raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
         for i, item in enumerate(self.items()):
@@ -245,6 +244,20 @@ class ResponsesRequest(_Strict):
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return self.input
+
+    def input_items(self) -> list[dict]:
+        """The input as items with ids, as GET /v1/responses/{id}/input_items lists them."""
+        listed = []
+        for item in self.items():
+            data = item.model_dump(exclude_none=True, by_alias=True)
+            if isinstance(item, MessageItem):
+                data["type"] = "message"
+                if isinstance(item.content, str):
+                    data["content"] = [{"type": "input_text", "text": item.content}]
+            data.setdefault("id", f"{'msg' if data['type'] == 'message' else 'item'}_"
+                                  f"{uuid.uuid4().hex}")
+            listed.append(data)
+        return listed
 
     def hosted_tools(self) -> list[str]:
         """The tools left out of what the model sees (they cannot run here)."""
@@ -284,23 +297,31 @@ class ResponsesRequest(_Strict):
         _require_schema_name(schema, "text.format.name")
         return grammar_for("json_schema", schema, param="text.format")
 
-    def chat_messages(self) -> list[Message]:
-        """The input as chat messages: `instructions` and the leading system and developer
-        messages as one system message; calls as the assistant's tool calls, their outputs as
-        tool messages; reasoning items left out."""
+    def chat_messages(self, history: list[Message] | None = None) -> list[Message]:
+        """The conversation as chat messages: `instructions` and the leading system and
+        developer messages as one system message; calls as the assistant's tool calls, their
+        outputs as tool messages; reasoning items left out. `history`: a stored response's
+        conversation, which this input continues."""
+        return with_instructions(self.turns(history), self.instructions)
+
+    def turns(self, history: list[Message] | None = None) -> list[Message]:
+        """The conversation without `instructions` (a continuation does not inherit them)."""
         items = [i for i in self.items() if not isinstance(i, ReasoningItem)]
-        system = [self.instructions] if self.instructions else []
-        while items and isinstance(items[0], MessageItem) \
+        turns = list(history or [])
+        system = []
+        while not turns and items and isinstance(items[0], MessageItem) \
                 and items[0].role in ("system", "developer"):
             system.append(items.pop(0).text())
-        turns = [Message(role="system", content="\n\n".join(system))] if system else []
+        if system:
+            turns.append(Message(role="system", content="\n\n".join(system)))
         for item in items:
             if isinstance(item, FunctionCallItem):
                 call = CalledTool(id=item.call_id, type="function", function=CalledFunction(
                     name=item.offered_name(), arguments=_json_text(item.arguments)))
                 last = turns[-1] if turns else None
-                if last is not None and last.role == "assistant":
-                    last.tool_calls = [*(last.tool_calls or []), call]
+                if last is not None and last.role == "assistant":  # a copy: history is shared
+                    turns[-1] = last.model_copy(
+                        update={"tool_calls": [*(last.tool_calls or []), call]})
                 else:
                     turns.append(Message(role="assistant", content="", tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
@@ -309,6 +330,16 @@ class ResponsesRequest(_Strict):
             else:
                 turns.append(Message(role=item.role, content=item.text()))
         return turns
+
+
+def with_instructions(turns: list[Message], instructions: str | None) -> list[Message]:
+    """`instructions` first in the system message."""
+    if not instructions:
+        return turns
+    if turns and turns[0].role == "system":
+        first = turns[0].model_copy(update={"content": f"{instructions}\n\n{turns[0].text()}"})
+        return [first, *turns[1:]]
+    return [Message(role="system", content=instructions), *turns]
 
 
 def _offered(tool: FunctionTool, name: str) -> Tool:

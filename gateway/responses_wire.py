@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 from engine.messages import Output, TokenLogprob, Usage
 from gateway.errors import APIError
@@ -27,9 +28,11 @@ def _id(prefix: str) -> str:
 class ResponsesWire(Wire):
     def __init__(self, echo: dict, toolbox: Toolbox | None,
                  namespaced: dict[str, tuple[str, str]], prompt_tokens: int,
-                 token_bytes=None) -> None:
+                 token_bytes=None, on_done: Callable[[dict, Choice], None] | None = None
+                 ) -> None:
         self.echo = echo  # what the response object repeats of its request
         self.toolbox = toolbox
+        self.on_done = on_done  # called with the finished response (to store it)
         self.namespaced = namespaced  # offered name -> (namespace, name)
         self.prompt_tokens = prompt_tokens
         self.token_bytes = token_bytes  # set when logprobs were asked for (include)
@@ -60,8 +63,13 @@ class ResponsesWire(Wire):
             **self.echo}
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
-        choice = choices[0]
-        return self.response(_status(choice), self._items(choice, "completed"), usage)
+        return self._done(choices[0])
+
+    def _done(self, choice: Choice) -> dict:
+        done = self.response(_status(choice), self._items(choice, "completed"), choice.usage)
+        if self.on_done is not None:
+            self.on_done(done, choice)
+        return done
 
     def _items(self, choice: Choice, status: str) -> list[dict]:
         call = self._call(choice)
@@ -128,9 +136,8 @@ class ResponsesWire(Wire):
                 self._event("response.content_part.done", item_id=self._message_id,
                             output_index=0, content_index=0, part=part),
                 self._event("response.output_item.done", output_index=0, item=item)]
-        status = _status(choice)
-        done = self.response(status, self._items(choice, "completed"), choice.usage)
-        return [*events, self._event(f"response.{status}", response=done)]
+        done = self._done(choice)
+        return [*events, self._event(f"response.{done['status']}", response=done)]
 
     def _text(self, text: str, logprobs: list[TokenLogprob]) -> list[Event]:
         events = []

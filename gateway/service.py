@@ -19,6 +19,7 @@ from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.ratelimit import RateLimiter, RateLimits
+from gateway.response_store import ResponseStore
 from gateway.supervisor import Workers
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class ServerConfig:
     sampling: SamplingDefaults = SamplingDefaults()  # for requests that leave them out
     model_aliases: tuple[str, ...] = ()  # other names (fnmatch patterns) served by the model
     keep_billing_header: bool = False  # Claude Code's per-conversation system line
+    response_store_mb: int = 256  # stored /v1/responses at most, oldest dropped first
+    response_store_hours: float = 24.0  # and for at most this long
     rate_limits: RateLimits = RateLimits()  # per API key
 
 
@@ -79,10 +82,12 @@ class Gateway:
         self.prompts: PromptBuilder | None = None
         self.workers = Workers(config.workers)
         self.load_error: str | None = None
-        self.metrics = Metrics(self.workers)
+        self.metrics = Metrics(self.workers, self)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
         self.history: deque[HistorySample] = deque()
+        self.responses = ResponseStore(config.response_store_mb << 20,
+                                       config.response_store_hours * 3600)
         self._loaded = threading.Event()
 
     @property

@@ -140,6 +140,7 @@ def test_a_streamed_function_call(client, server):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"background": True}, "background"),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input[0].content"),
@@ -153,3 +154,76 @@ def test_what_cannot_be_served_is_a_400_naming_it(client, server, fields, param)
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**{"model": server.model_name, "input": "hi", **fields})
     assert refused.value.body["param"].startswith(param)
+
+
+def test_previous_response_id_continues_from_the_exact_tokens(client, server):
+    """Turn 2 starts from turn 1's own tokens (its prompt's and its generated ones): all of
+    turn 1 loads from the cache."""
+    first = client.responses.create(model=server.model_name, max_output_tokens=40,
+                                    instructions="You are a terse geography tutor.",
+                                    input="Name a large city in France.")
+    second = client.responses.create(model=server.model_name, max_output_tokens=24,
+                                     instructions="You are a terse geography tutor.",
+                                     previous_response_id=first.id,
+                                     input="And one in Italy?")
+    history = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 0.9 * history
+    assert second.usage.input_tokens > history
+    assert second.previous_response_id == first.id
+    # Other instructions: rendered afresh, the conversation still continued.
+    third = client.responses.create(model=server.model_name, max_output_tokens=8,
+                                    instructions="You are a historian.",
+                                    previous_response_id=second.id, input="Thanks.")
+    assert third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted(client, server):
+    items = [{"role": "developer", "content": "Answer briefly."},
+             {"role": "user", "content": "Name a colour."},
+             {"role": "user", "content": "And a fruit."}]
+    created = client.responses.create(model=server.model_name, input=items,
+                                      max_output_tokens=8)
+    got = client.responses.retrieve(created.id)
+    assert got.id == created.id and got.output_text == created.output_text
+    listed = client.responses.input_items.list(created.id, limit=2, order="asc")
+    assert [i.role for i in listed.data] == ["developer", "user"] and listed.has_more
+    rest = client.responses.input_items.list(created.id, limit=2, order="asc",
+                                             after=listed.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["And a fruit."] and not rest.has_more
+    newest_first = client.responses.input_items.list(created.id)
+    assert [i.id for i in newest_first.data] == [i.id for i in [*listed.data, *rest.data]][::-1]
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    unstored = client.responses.create(model=server.model_name, input="Hi", store=False,
+                                       max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=server.model_name, input="Hi", max_output_tokens=4,
+                                previous_response_id=unstored.id)
+    metrics = server.metrics()
+    assert metrics["prefixgate_response_store_entries"] >= 1
+    assert metrics["prefixgate_response_store_bytes"] > 0
+
+
+def test_a_stored_response_belongs_to_its_tenant(model_path, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
+                            "--api-keys-file", str(keys))
+    try:
+        a, b = (openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+                for key in ("key-a", "key-b"))
+        created = a.responses.create(model=server.model_name, input="Hi", max_output_tokens=4)
+        assert a.responses.retrieve(created.id).id == created.id
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(created.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(created.id)
+        with pytest.raises(openai.BadRequestError):
+            b.responses.create(model=server.model_name, input="Go on", max_output_tokens=4,
+                               previous_response_id=created.id)
+        assert a.responses.retrieve(created.id).id == created.id
+    finally:
+        server.stop()

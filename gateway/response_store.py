@@ -1,0 +1,95 @@
+"""Stored responses (`store`, true by default on /v1/responses): what GET, DELETE and
+`input_items` read, and what `previous_response_id` continues from.
+
+A response is kept with its tenant's namespace (another key never sees it), the conversation as
+chat messages up to and including its own answer, and the exact tokens its sequence held: its
+prompt's and the ones it generated, with the text they render as. A turn that continues it with
+the same instructions and tools starts from those very tokens, so its whole history loads from
+the prefix cache instead of being rendered and tokenized again (which may tokenize an answer
+differently from how it was generated).
+
+Bounded by entries' total size and age (--response-store-mb, --response-store-hours): the
+oldest go first. In memory only, for now: a restart or another replica does not know them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from gateway.protocol import Message
+
+
+@dataclass
+class StoredResponse:
+    id: str
+    namespace: str
+    body: dict  # the response object, as it was returned
+    input_items: list[dict]  # this turn's input, each with its id
+    messages: list[Message]  # the conversation, with this response's answer last
+    instructions: str | None
+    tools_text: str  # what the tools rendered as: a continuation with other tools re-renders
+    text: str  # the prompt's rendered text and the answer's, which `tokens` hold
+    tokens: list[int]
+    created: float = field(default_factory=time.time)
+
+    @property
+    def size(self) -> int:
+        """Bytes it holds, roughly: its texts and 4 per token id."""
+        return sys.getsizeof(self.text) + 4 * len(self.tokens) + len(repr(self.body)) \
+            + len(repr(self.input_items)) + sum(len(m.text()) for m in self.messages)
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int, max_age_seconds: float) -> None:
+        self.max_bytes = max_bytes
+        self.max_age = max_age_seconds
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()  # stores happen on the event loop, reads on threads too
+        self.evictions = 0
+
+    def put(self, entry: StoredResponse) -> None:
+        with self._lock:
+            self._entries[entry.id] = entry
+            self._sizes[entry.id] = entry.size
+            self._bytes += self._sizes[entry.id]
+            self._trim()
+
+    def get(self, response_id: str, namespace: str) -> StoredResponse | None:
+        """The response, if it is this tenant's and still kept."""
+        with self._lock:
+            self._trim()
+            entry = self._entries.get(response_id)
+            return entry if entry is not None and entry.namespace == namespace else None
+
+    def delete(self, response_id: str, namespace: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None or entry.namespace != namespace:
+                return False
+            self._forget(entry)
+            return True
+
+    @property
+    def stats(self) -> tuple[int, int]:
+        """(entries, bytes)."""
+        with self._lock:
+            return len(self._entries), self._bytes
+
+    def _trim(self) -> None:
+        too_old = time.time() - self.max_age
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if self._bytes <= self.max_bytes and oldest.created >= too_old:
+                return
+            self._forget(oldest)
+            self.evictions += 1
+
+    def _forget(self, entry: StoredResponse) -> None:
+        del self._entries[entry.id]
+        self._bytes -= self._sizes.pop(entry.id)
