@@ -21,7 +21,7 @@ from cache.redis_tier import TierStats
 from engine.messages import CacheStats, EngineSnapshot, Output
 
 if TYPE_CHECKING:
-    from gateway.service import Gateway
+    from gateway.response_store import ResponseStore
     from gateway.shared_pool import TierHits
     from gateway.supervisor import Workers, WorkerView
 
@@ -29,7 +29,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 
 
 class Metrics:
-    def __init__(self, workers: Workers, service: Gateway) -> None:
+    def __init__(self, workers: Workers, responses: ResponseStore) -> None:
         self.started = time.monotonic()
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("prefixgate_time_to_first_token_seconds",
@@ -54,10 +54,10 @@ class Metrics:
         r.register(_EngineCollector(workers))
         entries = Gauge("prefixgate_response_store_entries",
                         "Responses stored for GET and previous_response_id", registry=r)
-        entries.set_function(lambda: service.responses.stats[0])
+        entries.set_function(lambda: responses.stats[0])
         stored = Gauge("prefixgate_response_store_bytes", "Bytes the stored responses hold",
                        registry=r)
-        stored.set_function(lambda: service.responses.stats[1])
+        stored.set_function(lambda: responses.stats[1])
         self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
         self.ttft_count = 0
 

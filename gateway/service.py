@@ -82,12 +82,12 @@ class Gateway:
         self.prompts: PromptBuilder | None = None
         self.workers = Workers(config.workers)
         self.load_error: str | None = None
-        self.metrics = Metrics(self.workers, self)
+        self.responses = ResponseStore(config.response_store_mb << 20,
+                                       config.response_store_hours * 3600)
+        self.metrics = Metrics(self.workers, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
         self.history: deque[HistorySample] = deque()
-        self.responses = ResponseStore(config.response_store_mb << 20,
-                                       config.response_store_hours * 3600)
         self._loaded = threading.Event()
 
     @property

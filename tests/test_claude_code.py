@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
+from tests.agent_prompt import HARBOUR_PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
 CLAUDE = ROOT / ".agents" / "node_modules" / ".bin" / "claude"
-# A natural system prompt of ~800 tokens: many whole blocks that two sessions share, and one the
-# test model answers briefly under (greedy, it answers these questions in a sentence).
-BOATS = [(colour, name) for colour in ("red", "blue", "green", "white", "black", "grey")
-         for name in ("Aino", "Helmi", "Tuuli", "Meri", "Saga")]
-SYSTEM = "You are a helpful assistant. Answer in one short sentence.\n\n" + "\n".join(
-    f"- Berth {i}: the {colour} boat {name} is moored here; it leaves at {6 + i % 10} o'clock."
-    for i, (colour, name) in enumerate(BOATS))
+SYSTEM = HARBOUR_PROMPT
+# Claude Code writes its working directory into the prompt: one path for every run keeps the
+# greedy answers the same from run to run (in a temporary directory, some made the test model
+# ramble past the output limit, and Claude Code then continues the answer up to 3 more times).
+WORKDIR = Path("/tmp/prefixgate-claude-code/project")
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +37,14 @@ def server(model_path):
 def claude(server: GatewayProcess, home: Path, question: str, *args: str) -> dict:
     """One `claude -p` run; its JSON result. Replies are capped at 300 tokens, retries at one
     (a failure shows at once)."""
-    workdir = home / "project"
-    workdir.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    WORKDIR.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home),
            "ANTHROPIC_BASE_URL": server.base_url, "ANTHROPIC_API_KEY": "unused",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300", "CLAUDE_CODE_MAX_RETRIES": "1"}
     run = subprocess.run([str(CLAUDE), "-p", "--output-format", "json", "--system-prompt",
-                          SYSTEM, "--tools", "", *args, "--", question], cwd=workdir, env=env,
+                          SYSTEM, "--tools", "", *args, "--", question], cwd=WORKDIR, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr + run.stdout
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -53,6 +52,7 @@ def claude(server: GatewayProcess, home: Path, question: str, *args: str) -> dic
     return result
 
 
+@pytest.mark.timeout(900)  # three runs of Claude Code; a busy machine makes each slow
 def test_claude_code_sessions_share_the_system_prompt_and_resume_from_the_cache(server,
                                                                                  tmp_path):
     first = claude(server, tmp_path / "one", "What is a tide?")

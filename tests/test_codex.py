@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
+from tests.agent_prompt import HARBOUR_PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = ROOT / ".agents" / "node_modules" / ".bin" / "codex"
-BOATS = [(colour, name) for colour in ("red", "blue", "green", "white", "black", "grey")
-         for name in ("Aino", "Helmi", "Tuuli", "Meri", "Saga")]
-# Instructions of ~800 tokens in place of Codex's own 17 kB (too long for the test model's
-# speed): many whole blocks that two sessions share.
-INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence.\n\n" + "\n".join(
-    f"- Berth {i}: the {colour} boat {name} is moored here; it leaves at {6 + i % 10} o'clock."
-    for i, (colour, name) in enumerate(BOATS))
+INSTRUCTIONS = HARBOUR_PROMPT  # in place of Codex's own 17 kB
 # What keeps the prompt small: no tools, no skills or permission texts.
 SHRINK = ["-c", "include_permissions_instructions=false", "-c", "skills.include_instructions=false",
           "-c", "include_environment_context=false", "-c", "web_search=disabled",
@@ -83,6 +78,7 @@ def answer(events: list[dict]) -> str:
                 and e["item"]["type"] == "agent_message")
 
 
+@pytest.mark.timeout(900)  # three runs of Codex; a busy machine makes each slow
 def test_codex_sessions_share_the_instructions_and_resume_from_the_cache(server, tmp_path):
     one = codex(codex_home(server, tmp_path / "one"), tmp_path / "work", "What is a tide?")
     assert "tide" in answer(one).lower()
