@@ -54,7 +54,9 @@ def responses_turns(base_url: str, model: str, mode: str, n: int, max_tokens: in
                     chained: bool) -> list[Turn]:
     rows, history, previous = [], [], None
     for question in QUESTIONS[:n]:
-        history.append({"role": "user", "content": question})
+        # Typed items with parts, as Codex sends them (llama-server wants the type).
+        history.append({"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": question}]})
         request = {"model": model, "instructions": instructions(mode), "stream": True,
                    "max_output_tokens": max_tokens, "temperature": 0}
         if chained:
@@ -70,7 +72,8 @@ def responses_turns(base_url: str, model: str, mode: str, n: int, max_tokens: in
         usage = done.usage
         rows.append(Turn(ttft or time.perf_counter() - start, usage.input_tokens,
                          usage.input_tokens_details.cached_tokens))
-        history.append({"role": "assistant", "content": done.output_text or "."})
+        history.append({"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": done.output_text or "."}]})
         previous = done.id
     return rows
 
