@@ -19,7 +19,10 @@ import os
 import secrets
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -39,17 +42,27 @@ class SnapshotError(ValueError):
     pass
 
 
+@contextmanager
+def private_file(directory: Path, name: str) -> Iterator[BinaryIO]:
+    """`directory/name` replaced whole by what is written, readable by its owner only (every
+    tenant's tokens are in such files, as in the arena): written under a name nobody can guess,
+    created here (O_EXCL) and never through a planted symlink, fsync'd, then renamed over it,
+    so a crash mid-write leaves the previous file whole."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = directory / f".{name}.{secrets.token_hex(8)}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, directory / name)
+
+
 def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
     """Writes every cached block; returns how many."""
-    # Every tenant's prompt tokens are in it: owner-only, as the arena is.
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     header = arena.header
-    path = directory / FILE_NAME
-    # A name nobody can guess, created here (O_EXCL) and never through a planted symlink.
-    partial = directory / f".{FILE_NAME}.{secrets.token_hex(8)}"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     digest = xxhash.xxh3_128()
-    with open(fd, "wb") as f, index.frozen() as blocks:
+    with private_file(directory, FILE_NAME) as f, index.frozen() as blocks:
         def write(data: bytes | memoryview) -> None:
             f.write(data)
             digest.update(data)
@@ -63,9 +76,6 @@ def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
             write(tokens.astype("<i4").tobytes())
             write(memoryview(arena.block(slot)))
         f.write(digest.digest())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
     return len(blocks)
 
 

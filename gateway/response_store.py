@@ -9,18 +9,32 @@ the prefix cache instead of being rendered and tokenized again (which may tokeni
 differently from how it was generated).
 
 Bounded by entries' total size and age (--response-store-mb, --response-store-hours): the
-oldest go first. In memory only, for now: a restart or another replica does not know them.
+oldest go first. With --cache-dir they are written there at shutdown (owner-only, as the prefix
+cache's snapshot: they hold whole conversations) and read back at start, if they were made with
+this very model (its GGUF fingerprint: their token ids mean nothing to another). Another
+replica does not know them (not in Redis yet).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import orjson
+from pydantic import ValidationError
+
+from cache.persistence import private_file
 from gateway.protocol import Message
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "responses.json"
+VERSION = 1
 
 
 @dataclass
@@ -35,6 +49,18 @@ class StoredResponse:
     text: str  # the prompt's rendered text and the answer's, which `tokens` hold
     tokens: list[int]
     created: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "namespace": self.namespace, "body": self.body,
+                "input_items": self.input_items,
+                "messages": [m.model_dump(exclude_none=True) for m in self.messages],
+                "instructions": self.instructions, "tools_text": self.tools_text,
+                "text": self.text, "tokens": self.tokens, "created": self.created}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StoredResponse:
+        messages = [Message.model_validate_json(orjson.dumps(m)) for m in data["messages"]]
+        return cls(**{**data, "messages": messages})
 
     @property
     def size(self) -> int:
@@ -74,6 +100,34 @@ class ResponseStore:
                 return False
             self._forget(entry)
             return True
+
+    def save(self, directory: Path, fingerprint: str) -> int:
+        """Writes every stored response; returns how many."""
+        with self._lock:
+            entries = list(self._entries.values())
+        with private_file(directory, FILE_NAME) as f:
+            f.write(orjson.dumps({"version": VERSION, "fingerprint": fingerprint,
+                                  "responses": [e.to_json() for e in entries]}))
+        return len(entries)
+
+    def load(self, directory: Path, fingerprint: str) -> int:
+        """Reads back what `save` wrote, if this model wrote it; returns how many were
+        kept (the store's bounds apply as to any other). A file that does not parse whole is
+        refused with a log line."""
+        path = directory / FILE_NAME
+        if not path.exists():
+            return 0
+        try:
+            data = orjson.loads(path.read_bytes())
+            if data.get("version") != VERSION or data.get("fingerprint") != fingerprint:
+                raise ValueError("written by another version or for another model")
+            entries = [StoredResponse.from_json(e) for e in data["responses"]]
+        except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+            log.error("not loading the stored responses %s: %s", path, exc)
+            return 0
+        for entry in entries:  # oldest first, as saved
+            self.put(entry)
+        return self.stats[0]
 
     @property
     def stats(self) -> tuple[int, int]:

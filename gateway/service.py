@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from cache.fingerprint import gguf_fingerprint
 from engine.llama import Model
 from gateway.auth import KeyRing
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
@@ -100,6 +101,9 @@ class Gateway:
             self.model = Model(model_path, vocab_only=True)
             self.prompts = PromptBuilder(self.model, self.config.chat_template)
             self.workers.start(loop)
+            if self.config.workers.cache_dir is not None:
+                n = self.responses.load(self.config.workers.cache_dir, gguf_fingerprint(model_path))
+                log.info("%d stored responses read from %s", n, self.config.workers.cache_dir)
             engine = self.config.workers.engine
             log.info("serving %s as %r: %d worker(s), each %d parallel sequences in %d KV cells "
                      "(%s), requests of up to %d tokens", model_path, self.config.model_name,
@@ -157,6 +161,14 @@ class Gateway:
 
     def close(self) -> None:
         self.workers.stop()
+        cache_dir = self.config.workers.cache_dir
+        if cache_dir is not None and self.ready:
+            try:
+                n = self.responses.save(cache_dir,
+                                        gguf_fingerprint(self.config.workers.model_path))
+                log.info("%d stored responses written to %s", n, cache_dir)
+            except OSError:
+                log.exception("writing the stored responses to %s failed", cache_dir)
         if self.model:
             self.model.close()
 

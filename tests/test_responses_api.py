@@ -227,3 +227,40 @@ def test_a_stored_response_belongs_to_its_tenant(model_path, tmp_path):
         assert a.responses.retrieve(created.id).id == created.id
     finally:
         server.stop()
+
+
+def test_stored_responses_survive_a_restart_under_cache_dir(model_path, tmp_path):
+    """Written at shutdown owner-only, read back at start: a conversation continues across a
+    restart, its history read from the prefix cache's snapshot. A file that does not parse is
+    refused, and the server serves on."""
+    cache_dir = tmp_path / "cache"
+    args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(cache_dir))
+    server = GatewayProcess(model_path, *args)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        first = client.responses.create(model=server.model_name, max_output_tokens=16,
+                                        input="Name a large city in France.")
+    finally:
+        server.stop()
+    stored = cache_dir / "responses.json"
+    assert stored.stat().st_mode & 0o777 == 0o600 and cache_dir.stat().st_mode & 0o777 == 0o700
+    server = GatewayProcess(model_path, *args)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(model=server.model_name, max_output_tokens=8,
+                                         previous_response_id=first.id, input="And in Italy?")
+        history = first.usage.input_tokens + first.usage.output_tokens
+        assert second.usage.input_tokens_details.cached_tokens >= 0.9 * history - 64
+    finally:
+        server.stop()
+    stored.write_bytes(stored.read_bytes()[:-10])  # cut short
+    server = GatewayProcess(model_path, *args)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        assert client.responses.create(model=server.model_name, input="Hi",
+                                       max_output_tokens=4).output_text is not None
+    finally:
+        server.stop()
