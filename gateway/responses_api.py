@@ -9,6 +9,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import redis
 from aiohttp import web
 
 from engine.messages import GenerationRequest
@@ -26,6 +27,7 @@ from gateway.response_store import StoredResponse
 from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire
 from gateway.service import Gateway
+from gateway.shared_responses import DELETED
 from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     admit(request)
     previous = None
     if body.previous_response_id is not None:
-        previous = gateway.responses.get(body.previous_response_id, request["namespace"])
+        previous = await _lookup(gateway, body.previous_response_id, request["namespace"])
         if previous is None:
             raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
                           "previous_response_id", "previous_response_not_found")
@@ -54,10 +56,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     def store(done: dict, choice: Choice) -> None:
         if body.store:
-            gateway.responses.put(StoredResponse(
+            entry = StoredResponse(
                 done["id"], request["namespace"], done, body.input_items(),
                 [*prompt.turns, _answer(choice)], body.instructions, prompt.tools_text,
-                prompt.text + choice.text, prompt.tokens + list(choice.generated)))
+                prompt.text + choice.text, prompt.tokens + list(choice.generated))
+            gateway.responses.put(entry)
+            if gateway.shared_responses is not None:
+                gateway.shared_responses.put(entry)
 
     wire = ResponsesWire(_echo(body), toolbox, body.namespaced(), len(prompt.tokens),
                          gateway.model.token_piece if logprobs else None, store)
@@ -120,15 +125,20 @@ def _answer(choice: Choice) -> Message:
 
 @routes.get("/v1/responses/{response_id}")
 async def retrieve_response(request: web.Request) -> web.Response:
-    return json_response(_stored(request).body)
+    return json_response((await _stored(request)).body)
 
 
 @routes.delete("/v1/responses/{response_id}")
 async def delete_response(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
-    response_id = request.match_info["response_id"]
-    if not gateway.responses.delete(response_id, request["namespace"]):
-        raise _not_found(response_id)
+    response_id = (await _stored(request)).id
+    gateway.responses.delete(response_id, request["namespace"])
+    if gateway.shared_responses is not None:
+        try:
+            await asyncio.to_thread(gateway.shared_responses.delete, response_id)
+        except redis.RedisError as exc:
+            raise APIError(503, f"The response store (Redis) is not answering: {exc}",
+                           code="store_unavailable") from None
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
@@ -136,7 +146,7 @@ async def delete_response(request: web.Request) -> web.Response:
 async def input_items(request: web.Request) -> web.Response:
     """A page of the response's input items, as OpenAI lists them: `limit` (1-100, 20),
     `order` (`desc` by default, or `asc`), `after` an item id."""
-    items = _stored(request).input_items
+    items = (await _stored(request)).input_items
     query = request.query
     try:
         limit = int(query.get("limit", 20))
@@ -160,14 +170,33 @@ async def input_items(request: web.Request) -> web.Response:
                           "has_more": len(ordered) > limit})
 
 
-def _stored(request: web.Request) -> StoredResponse:
+async def _stored(request: web.Request) -> StoredResponse:
     """The tenant's stored response, else a 404 (another tenant's is as good as absent)."""
     gateway: Gateway = request.app["gateway"]
     response_id = request.match_info["response_id"]
-    stored = gateway.responses.get(response_id, request["namespace"])
+    stored = await _lookup(gateway, response_id, request["namespace"])
     if stored is None:
         raise _not_found(response_id)
     return stored
+
+
+async def _lookup(gateway: Gateway, response_id: str, namespace: str
+                  ) -> StoredResponse | None:
+    """The tenant's stored response: Redis's word first when there is a Redis (a tombstone
+    means deleted through some replica), else this replica's own copy."""
+    shared = gateway.shared_responses
+    if shared is not None:
+        try:
+            found = await asyncio.to_thread(shared.get, response_id)
+        except redis.RedisError as exc:
+            log.warning("the response store in Redis is not answering: %s", exc)
+            found = None
+        if found is DELETED:
+            gateway.responses.delete(response_id, namespace)
+            return None
+        if isinstance(found, StoredResponse):
+            return found if found.namespace == namespace else None
+    return gateway.responses.get(response_id, namespace)
 
 
 def _not_found(response_id: str) -> APIError:

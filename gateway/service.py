@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.prompts import PromptBuilder
 from gateway.ratelimit import RateLimiter, RateLimits
 from gateway.response_store import ResponseStore
+from gateway.shared_responses import SharedResponses
 from gateway.supervisor import Workers
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Gateway:
         self.load_error: str | None = None
         self.responses = ResponseStore(config.response_store_mb << 20,
                                        config.response_store_hours * 3600)
+        self.shared_responses: SharedResponses | None = None  # with --redis-url
         self.metrics = Metrics(self.workers, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
@@ -101,9 +103,7 @@ class Gateway:
             self.model = Model(model_path, vocab_only=True)
             self.prompts = PromptBuilder(self.model, self.config.chat_template)
             self.workers.start(loop)
-            if self.config.workers.cache_dir is not None:
-                n = self.responses.load(self.config.workers.cache_dir, gguf_fingerprint(model_path))
-                log.info("%d stored responses read from %s", n, self.config.workers.cache_dir)
+            self._attach_responses(model_path)
             engine = self.config.workers.engine
             log.info("serving %s as %r: %d worker(s), each %d parallel sequences in %d KV cells "
                      "(%s), requests of up to %d tokens", model_path, self.config.model_name,
@@ -115,6 +115,19 @@ class Gateway:
             self.load_error = str(exc)
         finally:
             self._loaded.set()
+
+    def _attach_responses(self, model_path: str) -> None:
+        """The stored responses of earlier runs (--cache-dir) and of other replicas (Redis)."""
+        workers = self.config.workers
+        if workers.cache_dir is None and workers.redis is None:
+            return
+        fingerprint = gguf_fingerprint(model_path)
+        if workers.cache_dir is not None:
+            n = self.responses.load(workers.cache_dir, fingerprint)
+            log.info("%d stored responses read from %s", n, workers.cache_dir)
+        if workers.redis is not None:
+            self.shared_responses = SharedResponses(workers.redis, fingerprint,
+                                                    self.config.response_store_hours * 3600)
 
     def cache_totals(self) -> tuple[int, int]:
         """(prompt tokens looked up, prompt tokens served by the cache) so far."""

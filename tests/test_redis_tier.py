@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 
+import openai
 import pytest
 import redis
 
@@ -164,3 +165,38 @@ def test_with_a_redis_key_only_values_signed_with_it_are_loaded(redis_url, model
         assert tier(reader, "errors")["redis"] >= 1 and tier(reader, "hits")["redis"] == 0
     finally:
         reader.stop()
+
+
+def test_a_stored_response_is_continued_and_deleted_through_any_replica(redis_url, model_path):
+    """Two gateways on one Redis: a response stored through one is retrieved and continued
+    through the other, and once deleted through either it is gone on both (a tombstone). A
+    gateway signing with another --redis-key finds nothing."""
+    url, _ = redis_url
+    args = ("--parallel", "2", "--ctx-size", "2048", "--redis-url", url, "--redis-key", "k1")
+    first, second = GatewayProcess(model_path, *args), GatewayProcess(model_path, *args)
+    other = GatewayProcess(model_path, *args[:-1], "k2")
+    try:
+        a, b, c = (openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+                   for s in (first, second, other))
+        created = a.responses.create(model=first.model_name, max_output_tokens=8,
+                                     input="Name a large city in France.")
+        deadline = time.monotonic() + 10
+        while True:  # written on a thread of its own
+            try:
+                got = b.responses.retrieve(created.id)
+                break
+            except openai.NotFoundError:
+                assert time.monotonic() < deadline, "the response never reached Redis"
+                time.sleep(0.05)
+        assert got.output_text == created.output_text
+        continued = b.responses.create(model=second.model_name, max_output_tokens=4,
+                                       previous_response_id=created.id, input="And in Italy?")
+        assert continued.usage.input_tokens > created.usage.input_tokens
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(created.id)  # signed with another key: not trusted
+        b.responses.delete(created.id)
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(created.id)  # its own copy is known to be gone
+    finally:
+        for server in (first, second, other):
+            server.stop()
