@@ -91,7 +91,11 @@ class ResponseStore:
         with self._lock:
             self._trim()
             entry = self._entries.get(response_id)
-            return entry if entry is not None and entry.namespace == namespace else None
+            if entry is None or entry.namespace != namespace:
+                return None
+            # The trim looks at the oldest stored; one stored late with an old age (read back
+            # from disk, say) is checked here.
+            return entry if entry.created >= time.time() - self.max_age else None
 
     def delete(self, response_id: str, namespace: str) -> bool:
         with self._lock:

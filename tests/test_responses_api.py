@@ -142,6 +142,7 @@ def test_a_streamed_function_call(client, server):
     ({"background": True}, "background"),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input[0].content"),
     ({"input": [{"type": "computer_call_output", "call_id": "x", "output": {}}]},
@@ -264,3 +265,38 @@ def test_stored_responses_survive_a_restart_under_cache_dir(model_path, tmp_path
                                        max_output_tokens=4).output_text is not None
     finally:
         server.stop()
+
+
+def test_logprobs_and_the_cache_key_as_codex_sends_it(client, server):
+    """include message.output_text.logprobs with top_logprobs: OpenAI's shape per token; a
+    prompt_cache_key routes as on chat completions (counted)."""
+    before = server.metrics()["prefixgate_prompt_cache_key_requests_total"]
+    response = client.responses.create(
+        model=server.model_name, input=QUESTION, max_output_tokens=6, top_logprobs=2,
+        include=["message.output_text.logprobs"], prompt_cache_key="session-1")
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens
+    assert "".join(entry.token for entry in logprobs) == response.output_text
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in logprobs)
+    assert server.metrics()["prefixgate_prompt_cache_key_requests_total"] == before + 1
+
+
+def test_the_store_is_bounded_by_size_and_age():
+    from gateway.response_store import ResponseStore, StoredResponse
+
+    def entry(i: int, created: float) -> StoredResponse:
+        return StoredResponse(f"resp_{i}", "", {"id": f"resp_{i}"}, [], [], None, "",
+                              "x" * 1000, [1] * 100, created=created)
+
+    import time
+
+    now = time.time()
+    store = ResponseStore(max_bytes=5000, max_age_seconds=60)
+    for i in range(10):
+        store.put(entry(i, now))
+    entries, size = store.stats
+    assert size <= 5000 and 1 <= entries < 10
+    assert store.get("resp_9", "") is not None and store.get("resp_0", "") is None  # oldest go
+    assert store.get("resp_9", "tenant:other") is None
+    store.put(entry(99, now - 120))  # past its age: gone at the next look
+    assert store.get("resp_99", "") is None
