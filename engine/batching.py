@@ -432,7 +432,7 @@ class Engine:
         if request.logprobs is not None:  # sampling left the logits as the model gave them
             seq.logprobs.append(_token_logprob(self.ctx.logits(batch_index), token,
                                                request.logprobs))
-        text = seq.text.push(self.model.token_piece(token))
+        text = seq.text.push(self.model.token_piece(token, token in request.shown_tokens))
         if seq.text.stopped:
             self._finish(seq, Output(text=text, finish_reason="stop",
                                      stop_sequence=seq.text.stop_string))

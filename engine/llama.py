@@ -115,13 +115,14 @@ class Model:
             raise ValueError(f"tokenization needs {-n} tokens, more than expected")
         return list(tokens[:n])
 
-    def token_piece(self, token: int) -> bytes:
-        """The bytes a token stands for; special tokens render as nothing, as in OpenAI output."""
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token stands for; special tokens render as nothing, as in OpenAI output,
+        unless `special`."""
         buf = ctypes.create_string_buffer(64)
-        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n > len(buf):
             buf = ctypes.create_string_buffer(n)
-            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
 
     def detokenize(self, tokens: list[int]) -> str:
@@ -317,6 +318,8 @@ class Sampler:
         self._end = model.eos_token if model.eos_token >= 0 else int(model.eog_tokens[0])
         self.grammar: lc.llama_sampler_p | None = None
         self.eog_ban: lc.llama_sampler_p | None = None
+        self.scripted = bool(s.script)
+        self.script = list(reversed(s.script))  # popped from the end
         if s.grammar is not None:
             self.grammar = lc.llama_sampler_init_grammar(model.vocab, s.grammar.encode(),
                                                          b"root") or None
@@ -351,6 +354,8 @@ class Sampler:
 
     def sample(self, ctx: Context, batch_index: int, candidates: Candidates,
                allow_eog: bool = True) -> int:
+        if self.scripted:
+            return self.script.pop() if self.script else self._end
         token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=False)
         if self.grammar is not None and not self._grammar_allows(token):
             token = self._best_allowed(candidates) if self.greedy else None

@@ -37,6 +37,9 @@ class SamplerSettings:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     grammar: str | None = None  # GBNF the output must follow (structured outputs)
+    # A test-only hook (gateway/replay.py): these tokens are the output, then its end,
+    # whatever the model's logits say; the model still computes every one of them.
+    script: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class GenerationRequest:
     # its prefixes (in the pool and in live sequences) are shared with no other namespace.
     namespace: str = ""
     logprobs: int | None = None  # None: none; k: each chosen token's and the k likeliest
+    # Special tokens whose text the output keeps: a chat format's markers (harmony's
+    # <|channel|>, Mistral's [TOOL_CALLS]), as llama-server keeps its "preserved tokens".
+    shown_tokens: frozenset[int] = frozenset()
 
 
 class EngineUnavailable(RuntimeError):

@@ -21,8 +21,10 @@ from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic_wire import AnthropicWire
+from gateway.chat_formats import OutputParser
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
+from gateway.prompts import ChatPrompt
 from gateway.protocol import completion_room, parse_request, sampler_settings
 from gateway.service import Gateway
 
@@ -33,6 +35,7 @@ routes = web.RouteTableDef()
 class RenderedPrompt:
     tokens: list[int]
     pins: tuple[Pin, ...]  # one per cache_control breakpoint
+    parser: OutputParser | None
 
 
 @routes.post("/v1/messages")
@@ -43,7 +46,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     admit(request)
     prompt = await asyncio.to_thread(_render, gateway, body)
     toolbox = body.toolbox()
-    wire = AnthropicWire(body.model, toolbox, len(prompt.tokens),
+    wire = AnthropicWire(body.model, prompt.parser, len(prompt.tokens),
                          max((pin.n_tokens for pin in prompt.pins), default=0))
 
     def plan() -> Plan:
@@ -54,7 +57,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                        "messages"),
             sampler=sampler_settings(
                 gateway.config.sampling, body.temperature, body.top_p, body.top_k,
-                grammar=toolbox.grammar() if toolbox is not None else None),
+                grammar=gateway.prompts.format.grammar(toolbox)),
             stop=list(body.stop_sequences or []),
             namespace=request["namespace"])
         return Plan(generation, stream=body.stream, pins=prompt.pins)
@@ -78,19 +81,20 @@ def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
     """The prompt's tokens, and how far each breakpoint reaches into them: the request cut
     after the marked block renders a prompt that shares exactly that much with the whole one
     (whatever the chat template writes around the parts)."""
-    tokens = _tokens(gateway, body)
+    prompt = _chat(gateway, body)
+    tokens = prompt.tokens
     pins = []
     if with_pins:
         whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
         for mark in body.breakpoints():
-            prefix = np.asarray(_tokens(gateway, body.cut(mark.where)))
+            prefix = np.asarray(_chat(gateway, body.cut(mark.where)).tokens)
             pins.append(Pin(common_prefix(whole, prefix), min(mark.seconds, longest)))
-    return RenderedPrompt(tokens, tuple(pins))
+    return RenderedPrompt(tokens, tuple(pins), prompt.parser)
 
 
-def _tokens(gateway: Gateway, body: CountTokensRequest) -> list[int]:
+def _chat(gateway: Gateway, body: CountTokensRequest) -> ChatPrompt:
     keep = gateway.config.keep_billing_header
     try:
-        return gateway.prompts.chat(body.chat_messages(keep), body.toolbox())
+        return gateway.prompts.chat(body.chat_messages(keep), body.toolbox(), body.reasoning())
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None

@@ -1,12 +1,12 @@
 """Anthropic's Messages request bodies, validated strictly, and their translation into the chat
 messages and tools the one prompt path renders (gateway/prompts.py).
 
-Fields that change nothing for a local model are accepted and have no effect: `thinking` (for a
-model without reasoning), `context_management`, `output_config`, `metadata`, `safeguards`,
-`service_tier`, a tool's `defer_loading`. What cannot be
+`thinking` turns a reasoning model's thinking on or off where its template can. Fields that
+change nothing for a local model are accepted and have no effect: `context_management`,
+`output_config`, `metadata`, `safeguards`, `service_tier`, a tool's `defer_loading`. What cannot be
 served (image or document blocks for a text-only model, server tools) is a 400 naming it: user
 content is never dropped silently. `thinking` blocks of earlier assistant turns are the model's
-own reasoning and are left out of the prompt, as llama-server does.
+own reasoning, rendered back as its template does (most keep only the last turn's).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.protocol import (
     CalledFunction,
@@ -150,8 +151,7 @@ class CountTokensRequest(_Strict):
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    # Accepted, no effect on a model without reasoning or server-side context editing.
-    thinking: dict | None = None
+    thinking: dict | None = None  # enabled/disabled: the template's switch, where it has one
     context_management: dict | None = None
     output_config: dict | None = None
     safeguards: list[dict] | None = None  # Claude Code's classifier context: no effect here
@@ -187,6 +187,11 @@ class CountTokensRequest(_Strict):
             else self.system
         return [b for b in blocks if keep_billing_header
                 or not b.text.startswith(BILLING_HEADER)]
+
+    def reasoning(self) -> Reasoning:
+        """`thinking` on or off, for a template that can switch it (Qwen3's enable_thinking)."""
+        kind = (self.thinking or {}).get("type")
+        return Reasoning({"enabled": True, "disabled": False}.get(kind))
 
     def toolbox(self) -> Toolbox | None:
         tools = [Tool(type="function", function=FunctionSpec(
@@ -232,8 +237,9 @@ class CountTokensRequest(_Strict):
             calls = [CalledTool(id=b.id, type="function", function=CalledFunction(
                 name=b.name, arguments=json.dumps(b.input)))
                 for b in blocks if isinstance(b, ToolUseBlock)]
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
             turns.append(Message(role="assistant", content="".join(texts),
-                                 tool_calls=calls or None))
+                                 tool_calls=calls or None, reasoning_content=thinking or None))
         return turns
 
     def breakpoints(self) -> list[Breakpoint]:

@@ -15,23 +15,26 @@ import json
 import uuid
 
 from engine.messages import Output, Usage
+from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError
-from gateway.generation import Choice, Event, Wire
-from gateway.tools import Toolbox, ToolCall
+from gateway.generation import Choice, Event, Growth, Wire
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 class AnthropicWire(Wire):
-    def __init__(self, model: str, toolbox: Toolbox | None, prompt_tokens: int,
+    """The answer's parts as content blocks: reasoning as `thinking`, text as `text`, calls as
+    `tool_use` (streamed with input_json_delta as the arguments are written)."""
+
+    def __init__(self, model: str, parser: OutputParser | None, prompt_tokens: int,
                  breakpoint_tokens: int) -> None:
         self.model = model
-        self.toolbox = toolbox
+        self.parser = parser
         self.prompt_tokens = prompt_tokens
         self.breakpoint_tokens = breakpoint_tokens  # the prompt up to its last breakpoint
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self._started = False
-        self._open_block: str | None = None  # the type of the content block being streamed
+        self._open_block = False  # a content block is being streamed
         self._n_blocks = 0
 
     def usage(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
@@ -43,27 +46,20 @@ class AnthropicWire(Wire):
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
         choice = choices[0]
-        call = self._call(choice)
-        content = [{"type": "text", "text": choice.text}] if call is None and choice.text \
-            else []
-        if call is not None:
-            content.append(_tool_use(call) | {"input": _arguments(call)})
-        return {**self._message(content), **self._stop(choice, call),
+        content = [_block(part) | _filled(part) for part in choice.parts if part.text
+                   or part.kind == "call"]
+        return {**self._message(content), **_stop(choice),
                 "usage": self.usage(usage.prompt_tokens, usage.cached_tokens,
                                     usage.completion_tokens)}
 
-    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+    def on_output(self, index: int, output: Output, choice: Choice,
+                  growth: list[Growth]) -> list[Event]:
         events = [] if self._started else self._start(output)
-        streamable = choice.streamable(output, self.toolbox)
-        if streamable is not None:
-            if streamable[0]:
-                events += self._text(streamable[0])
-        elif output.last:  # held back while it may be a call: whole, it is known
-            call = self._call(choice)
-            if call is None:
-                events += self._text(choice.text)
-            else:
-                events += self._tool_use(call)
+        for g in growth:
+            if g.new:
+                events += self._open(_block(g.part))
+            if g.delta:
+                events.append(self._delta(_delta(g.part.kind, g.delta)))
         if output.last:
             events += self._end(choice)
         return events
@@ -75,20 +71,6 @@ class AnthropicWire(Wire):
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content}
 
-    def _call(self, choice: Choice) -> ToolCall | None:
-        if self.toolbox is not None and choice.tool_call is None and not choice.texting:
-            choice.tool_call = self.toolbox.parse(choice.text, choice.finish_reason)
-        return choice.tool_call
-
-    def _stop(self, choice: Choice, call: ToolCall | None) -> dict:
-        if call is not None and call.complete:
-            reason = "tool_use"
-        elif choice.stop_sequence is not None:
-            reason = "stop_sequence"
-        else:
-            reason = STOP_REASONS.get(choice.finish_reason or "stop", "end_turn")
-        return {"stop_reason": reason, "stop_sequence": choice.stop_sequence}
-
     def _start(self, output: Output) -> list[Event]:
         """message_start once the prompt is in: only then is its cached share known."""
         self._started = True
@@ -98,20 +80,9 @@ class AnthropicWire(Wire):
         return [Event({"type": "message_start", "message": message}, "message_start"),
                 Event({"type": "ping"}, "ping")]
 
-    def _text(self, text: str) -> list[Event]:
-        events = [] if self._open_block == "text" else \
-            self._open({"type": "text", "text": ""})
-        if text:
-            events.append(self._delta({"type": "text_delta", "text": text}))
-        return events
-
-    def _tool_use(self, call: ToolCall) -> list[Event]:
-        return [*self._open(_tool_use(call) | {"input": {}}),
-                self._delta({"type": "input_json_delta", "partial_json": call.arguments})]
-
     def _open(self, block: dict) -> list[Event]:
         events = self._close()
-        self._open_block = block["type"]
+        self._open_block = True
         events.append(Event({"type": "content_block_start", "index": self._n_blocks,
                              "content_block": block}, "content_block_start"))
         return events
@@ -121,32 +92,63 @@ class AnthropicWire(Wire):
                      "content_block_delta")
 
     def _close(self) -> list[Event]:
-        if self._open_block is None:
+        if not self._open_block:
             return []
         event = Event({"type": "content_block_stop", "index": self._n_blocks},
                       "content_block_stop")
-        self._open_block = None
+        self._open_block = False
         self._n_blocks += 1
         return [event]
 
     def _end(self, choice: Choice) -> list[Event]:
         usage = choice.usage
         return [*self._close(),
-                Event({"type": "message_delta", "delta": self._stop(choice, choice.tool_call),
+                Event({"type": "message_delta", "delta": _stop(choice),
                        "usage": self.usage(usage.prompt_tokens, usage.cached_tokens,
                                            usage.completion_tokens)}, "message_delta"),
                 Event({"type": "message_stop"}, "message_stop")]
 
 
-def _tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
-            "name": call.name}
+def _stop(choice: Choice) -> dict:
+    reason = choice.reason()
+    if reason == "tool_calls":
+        reason = "tool_use"
+    elif choice.stop_sequence is not None:
+        reason = "stop_sequence"
+    else:
+        reason = STOP_REASONS.get(reason or "stop", "end_turn")
+    return {"stop_reason": reason, "stop_sequence": choice.stop_sequence}
 
 
-def _arguments(call: ToolCall) -> dict:
+def _block(part: Part) -> dict:
+    """A content block as it opens (empty)."""
+    if part.kind == "call":
+        return {"type": "tool_use", "id": "toolu_" + part.id.removeprefix("call_"),
+                "name": part.name, "input": {}}
+    if part.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+def _filled(part: Part) -> dict:
+    """What a whole content block holds."""
+    if part.kind == "call":
+        return {"input": _arguments(part.text)}
+    return {"thinking" if part.kind == "reasoning" else "text": part.text}
+
+
+def _delta(kind: str, text: str) -> dict:
+    if kind == "call":
+        return {"type": "input_json_delta", "partial_json": text}
+    if kind == "reasoning":
+        return {"type": "thinking_delta", "thinking": text}
+    return {"type": "text_delta", "text": text}
+
+
+def _arguments(arguments: str) -> dict:
     """A call's input; one cut short by max_tokens keeps what parses (nothing, usually)."""
     try:
-        value = json.loads(call.arguments)
+        value = json.loads(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -21,11 +23,12 @@ import orjson
 from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
+from gateway import replay
+from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError, invalid
 from gateway.handles import GenerationHandle
 from gateway.service import Gateway
 from gateway.supervisor import Overloaded
-from gateway.tools import Toolbox, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +56,72 @@ class Plan:
     pins: tuple[Pin, ...] = ()
 
 
+@dataclass(frozen=True)
+class Growth:
+    """What one output added to one part of a choice: `delta` is its new text (reasoning,
+    answer, or a call's arguments); `new` when the part began with this output."""
+
+    index: int  # the part's place among the choice's parts
+    part: Part
+    delta: str
+    new: bool
+    call_index: int = 0  # a call's place among the choice's calls (OpenAI's tool_calls index)
+
+
 @dataclass
 class Choice:
-    """One of a request's n answers, as it grows."""
+    """One of a request's n answers, as it grows: its raw text, and that text read as parts
+    (reasoning, text, calls) in the model's own format."""
 
     text: str = ""
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    tool_call: ToolCall | None = None  # the answer was this call (set by the API's wire)
     usage: Usage | None = None  # on its last output
     generated: tuple[int, ...] = ()  # its token ids, once it has ended
     n_generated: int = 0  # completion tokens so far, also when it never finishes
-    texting: bool = False  # known to be text, not a tool call: streamed as it comes
+    parts: list[Part] = field(default_factory=list)
+    logprobs_sent: int = 0  # how many of its logprobs went out with text
 
-    def streamable(self, output: Output, toolbox: Toolbox | None
-                   ) -> tuple[str, list[TokenLogprob]] | None:
-        """What of this choice can be streamed with `output` (already added): None while the
-        answer may still be a tool call (held back), else the new text and its logprobs, or
-        everything so far the moment it is known to be text."""
-        if toolbox is None or self.texting:
-            return output.text, list(output.logprobs)
-        if toolbox.may_call(self.text):
-            return None
-        self.texting = True
-        return self.text, self.logprobs
+    def grow(self, parser: OutputParser | None, final: bool) -> list[Growth]:
+        """Read the text so far into parts; what each part gained since the last read."""
+        parts = [Part("text", self.text)] if parser is None else \
+            parser.parse(self.text, final)
+        growth, calls = [], 0
+        for i, part in enumerate(parts):
+            if i < len(self.parts):
+                old = self.parts[i]
+                part.id = old.id
+                delta, new = part.text[len(old.text):], False
+            else:
+                if part.kind == "call" and part.id is None:
+                    part.id = f"call_{uuid.uuid4().hex[:24]}"
+                delta, new = part.text, True
+            if new or delta or (part.kind == "call" and part.done != self.parts[i].done):
+                growth.append(Growth(i, part, delta, new, calls))
+            calls += part.kind == "call"
+        self.parts = parts
+        return growth
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs not yet sent (they go out with the text they belong to)."""
+        sent, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
+        return self.logprobs[sent:]
+
+    def answer(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind == "text")
+
+    def reasoning(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind == "reasoning")
+
+    def calls(self) -> list[Part]:
+        return [p for p in self.parts if p.kind == "call"]
+
+    def reason(self) -> str | None:
+        """Why it ended, as OpenAI says it: `tool_calls` when it ended by itself on calls."""
+        if self.finish_reason == "stop" and self.calls():
+            return "tool_calls"
+        return self.finish_reason
 
 
 @dataclass(frozen=True)
@@ -96,6 +140,7 @@ class Wire:
     """How one API words a request's outputs."""
 
     terminator = b""  # written after the last event (OpenAI's `data: [DONE]`)
+    parser: OutputParser | None = None  # reads answers in the model's format; None: plain
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
         raise NotImplementedError
@@ -103,8 +148,10 @@ class Wire:
     def opening(self, n_choices: int) -> list[Event]:
         return []
 
-    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
-        """Events for one output of choice `index` (already added to `choice`)."""
+    def on_output(self, index: int, output: Output, choice: Choice,
+                  growth: list[Growth]) -> list[Event]:
+        """Events for one output of choice `index` (already added to `choice`), which grew
+        its parts by `growth`."""
         raise NotImplementedError
 
     def closing(self, choices: list[Choice], usage: Usage) -> list[Event]:
@@ -124,7 +171,7 @@ async def generate(request: web.Request, prompt_tokens: list[int],
     admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
     # Building a grammar from a schema takes time: off the event loop the streams share.
     planned = await asyncio.to_thread(plan)
-    generation = planned.generation
+    generation = _in_format(gateway, planned.generation, wire, prompt_tokens)
     if planned.n > limits.max_n:
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
@@ -150,6 +197,21 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+def _in_format(gateway: Gateway, generation: GenerationRequest, wire: Wire,
+               prompt_tokens: list[int]) -> GenerationRequest:
+    """What the model's chat format adds to a generation: its markers kept in the output
+    text for the parser; and in tests, a replayed completion (gateway/replay.py)."""
+    if wire.parser is not None:
+        generation = dataclasses.replace(generation, shown_tokens=gateway.prompts.shown_tokens)
+    if os.environ.get(replay.VARIABLE):
+        output = replay.scripted_output(gateway.model.detokenize(prompt_tokens))
+        if output is not None:
+            script = tuple(gateway.prompts.tokenize_rendered(output))
+            generation = dataclasses.replace(generation, sampler=dataclasses.replace(
+                generation.sampler, script=script))
+    return generation
 
 
 def admit(request: web.Request) -> None:
@@ -245,9 +307,11 @@ async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: 
                    choices: list[Choice]) -> web.Response:
     try:
         async with asyncio.timeout(timeout):
-            async for _, output in _outputs(handles, choices, timer):
+            async for i, output in _outputs(handles, choices, timer):
                 if output.error:
                     raise _generation_error(output)
+                if output.last:
+                    choices[i].grow(wire.parser, final=True)
     except TimeoutError:
         raise _timed_out(timeout) from None
     return json_response(wire.whole(choices, total_usage(choices)))
@@ -265,7 +329,8 @@ async def _stream(request: web.Request, handles: list[GenerationHandle], wire: W
                 if output.error:
                     await _send(response, wire.failure(_generation_error(output)))
                     break
-                await _send(response, wire.on_output(i, output, choices[i]))
+                growth = choices[i].grow(wire.parser, final=output.last)
+                await _send(response, wire.on_output(i, output, choices[i], growth))
             else:
                 await _send(response, wire.closing(choices, total_usage(choices)))
     except TimeoutError:

@@ -7,6 +7,7 @@ import asyncio
 
 from aiohttp import web
 
+from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
@@ -32,12 +33,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     admit(request)
     # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
     try:
-        prompt_tokens = await asyncio.to_thread(gateway.prompts.chat, body.messages,
-                                                body.toolbox)
+        prompt = await asyncio.to_thread(gateway.prompts.chat, body.messages, body.toolbox,
+                                         Reasoning.of_effort(body.reasoning_effort))
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
-    wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, body.toolbox)
-    return await generate(request, prompt_tokens, _planner(request, body, prompt_tokens), wire)
+    wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, prompt.parser)
+    return await generate(request, prompt.tokens, _planner(request, body, prompt.tokens), wire)
 
 
 @routes.post("/v1/completions")
@@ -67,7 +68,8 @@ def _planner(request: web.Request, body: ChatCompletionRequest | CompletionReque
     def plan() -> Plan:
         generation = body.to_generation(
             prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
-            gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling)
+            gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling,
+            gateway.prompts.format)
         # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
         pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()

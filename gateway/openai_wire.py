@@ -8,11 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.messages import Output, TokenLogprob, Usage
+from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError
-from gateway.generation import Choice, Event, Wire
-from gateway.tools import Toolbox, ToolCall
+from gateway.generation import Choice, Event, Growth, Wire
 
 TokenBytes = Callable[[int], bytes]
+
+
+def tool_call_body(call: Part) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.text}}
 
 
 def usage_body(usage: Usage) -> dict:
@@ -46,8 +51,8 @@ class OpenAIWire(Wire):
 
     def whole(self, choices: list[Choice], usage: Usage) -> dict:
         body = self._envelope(self.object_name, [
-            {**self._choice(c.text, c.finish_reason, i), "logprobs": self._logprobs(c.logprobs, i),
-             **self._call(c.tool_call)} for i, c in enumerate(choices)])
+            {**self._choice(c, i), "logprobs": self._logprobs(c.logprobs, i)}
+            for i, c in enumerate(choices)])
         body["usage"] = usage_body(usage)
         return body
 
@@ -68,7 +73,8 @@ class OpenAIWire(Wire):
 
     terminator = b"data: [DONE]\n\n"
 
-    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+    def on_output(self, index: int, output: Output, choice: Choice,
+                  growth: list[Growth]) -> list[Event]:
         return self._text_then_finish(output.text, output.logprobs, output.finish_reason, index)
 
     def _text_then_finish(self, text: str, logprobs: list[TokenLogprob],
@@ -90,7 +96,7 @@ class OpenAIWire(Wire):
     def failure(self, error: APIError) -> list[Event]:
         return [Event(error.body())]
 
-    def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:
+    def _choice(self, choice: Choice, index: int) -> dict:
         raise NotImplementedError
 
     def _delta_choice(self, text: str, finish_reason: str | None, first: bool,
@@ -100,48 +106,70 @@ class OpenAIWire(Wire):
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         raise NotImplementedError
 
-    def _call(self, call: ToolCall | None) -> dict:
-        """What a choice that is a tool call replaces of its message."""
-        return {}
-
     def _piece(self, token: int) -> tuple[str, bytes]:
         data = self.token_bytes(token)
         return data.decode(errors="replace"), data
 
 
 class ChatWire(OpenAIWire):
+    """Reasoning as `reasoning_content` (as llama-server and vLLM return it), the answer as
+    `content`, calls as `tool_calls`: streamed as each grows."""
+
     def __init__(self, model: str, token_bytes: TokenBytes | None = None,
-                 include_usage: bool = False, toolbox: Toolbox | None = None) -> None:
+                 include_usage: bool = False, parser: OutputParser | None = None) -> None:
         super().__init__(model, "chatcmpl", "chat.completion", "chat.completion.chunk",
                          token_bytes, include_usage)
-        self.toolbox = toolbox
+        self.parser = parser
 
     def opening(self, n_choices: int) -> list[Event]:
         return [Event(self.chunk("", first=True, with_usage_field=self.include_usage, index=i))
                 for i in range(n_choices)]
 
-    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
-        """With tools offered, a choice is held back while it may be a call; whole, a call is
-        sent as tool_calls deltas."""
-        streamable = choice.streamable(output, self.toolbox)
-        if streamable is not None:
-            return self._text_then_finish(*streamable, output.finish_reason, index)
-        if not output.last:
-            return []
-        choice.tool_call = self.toolbox.parse(choice.text, output.finish_reason)
-        if choice.tool_call is not None:
-            return [Event(chunk) for chunk in self.tool_call_chunks(choice.tool_call, index)]
-        return self._text_then_finish(choice.text, choice.logprobs, output.finish_reason, index)
+    def on_output(self, index: int, output: Output, choice: Choice,
+                  growth: list[Growth]) -> list[Event]:
+        deltas = []
+        for g in growth:
+            if g.part.kind == "call":
+                if g.new or g.delta:
+                    deltas.append(({"tool_calls": [self._call_delta(g)]}, []))
+            elif g.delta:
+                field = "content" if g.part.kind == "text" else "reasoning_content"
+                logprobs = choice.new_logprobs() if g.part.kind == "text" else []
+                deltas.append(({field: g.delta}, logprobs))
+        events = [Event(self._delta_chunk(delta, None, index, logprobs))
+                  for delta, logprobs in deltas]
+        if output.last:  # as OpenAI ends a choice: a chunk of its own, its delta empty
+            events.append(Event(self._delta_chunk({}, choice.reason(), index, [])))
+        return events
 
-    def whole(self, choices: list[Choice], usage: Usage) -> dict:
-        if self.toolbox is not None:
-            for choice in choices:
-                choice.tool_call = self.toolbox.parse(choice.text, choice.finish_reason)
-        return super().whole(choices, usage)
+    def _delta_chunk(self, delta: dict, finish_reason: str | None, index: int,
+                     logprobs: list[TokenLogprob]) -> dict:
+        body = self._envelope(self.chunk_object_name, [{
+            "index": index, "delta": delta, "logprobs": self._logprobs(logprobs, index),
+            "finish_reason": finish_reason}])
+        if self.include_usage:
+            body["usage"] = None
+        return body
 
-    def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
+    @staticmethod
+    def _call_delta(g: Growth) -> dict:
+        """A call streamed as the SDK's accumulator expects it: its id, type and name with
+        its first arguments, then the rest of its arguments as they are written."""
+        if not g.new:
+            return {"index": g.call_index, "function": {"arguments": g.delta}}
+        return {"index": g.call_index, "id": g.part.id, "type": "function",
+                "function": {"name": g.part.name, "arguments": g.delta}}
+
+    def _choice(self, choice: Choice, index: int) -> dict:
+        calls = choice.calls()
+        message = {"role": "assistant",
+                   "content": choice.answer() if choice.answer() or not calls else None}
+        if choice.reasoning():
+            message["reasoning_content"] = choice.reasoning()
+        if calls:
+            message["tool_calls"] = [tool_call_body(c) for c in calls]
+        return {"index": index, "message": message, "logprobs": None,
+                "finish_reason": choice.reason()}
 
     def _delta_choice(self, text: str, finish_reason: str | None, first: bool,
                       index: int) -> dict:
@@ -149,25 +177,6 @@ class ChatWire(OpenAIWire):
             ({"content": text} if text else {})
         return {"index": index, "delta": delta, "logprobs": None,
                 "finish_reason": finish_reason}
-
-    def _call(self, call: ToolCall | None) -> dict:
-        if call is None:
-            return {}
-        return {"message": {"role": "assistant", "content": None,
-                            "tool_calls": [call.body()]}, "finish_reason": call.finish_reason}
-
-    def tool_call_chunks(self, call: ToolCall, index: int) -> list[dict]:
-        """A call streamed as the SDK's accumulator expects it: id, type and name first, then
-        the arguments, then the finish."""
-        head = {"index": 0, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}
-        # The role came with the stream's first chunk: once, as OpenAI sends it.
-        deltas = [{"content": None, "tool_calls": [head]},
-                  {"tool_calls": [{"index": 0, "function": {"arguments": call.arguments}}]},
-                  {}]
-        return [self._envelope(self.chunk_object_name, [{
-            "index": index, "delta": delta, "logprobs": None,
-            "finish_reason": call.finish_reason if not delta else None}]) for delta in deltas]
 
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         """OpenAI's chat shape: content[] of token, logprob, bytes and top_logprobs."""
@@ -190,12 +199,12 @@ class CompletionWire(OpenAIWire):
                          include_usage)
         self._offsets: dict[int, int] = {}  # per choice: characters before its next token
 
-    def _choice(self, text: str, finish_reason: str | None, index: int) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, choice: Choice, index: int) -> dict:
+        return self._delta_choice(choice.text, choice.finish_reason, False, index)
 
     def _delta_choice(self, text: str, finish_reason: str | None, first: bool,
                       index: int) -> dict:
-        return self._choice(text, finish_reason, index)
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
     def _logprobs(self, entries: list[TokenLogprob], index: int) -> dict | None:
         """The legacy completions shape: parallel lists, top alternatives as {token: logprob},

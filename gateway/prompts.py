@@ -1,18 +1,28 @@
 """Request -> prompt tokens, exactly as llama-cpp-python's `Llama.create_chat_completion` and
-`create_completion` build them, so both give the same tokens for the same input."""
+`create_completion` build them, so both give the same tokens for the same input; and the parser
+of the answer, in the model's own format (gateway/chat_formats.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 from llama_cpp import llama_chat_format
 
 from engine.llama import Model
+from gateway.chat_formats import TEMPLATE_DEFAULT, ChatFormat, OutputParser, Reasoning, detect
 from gateway.protocol import Message
 from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    tokens: list[int]
+    parser: OutputParser | None  # reads the answer's reasoning and calls; None: plain text
 
 
 class PromptBuilder:
@@ -22,39 +32,87 @@ class PromptBuilder:
         if template is None:
             log.warning("the model has no chat template in its metadata; using ChatML")
             template = llama_chat_format.CHATML_CHAT_TEMPLATE
-        self.takes_tools = "tools" in template
+        self.takes_tools = "tools" in template  # renders the tools' definitions
+        self.renders_calls = "tool_calls" in template  # and earlier calls, in its own format
+        self.format: ChatFormat = detect(template, self.takes_tools)
+        self.shown_tokens = frozenset(self._special_tokens(self.format.markers))
         self._formatter = llama_chat_format.Jinja2ChatFormatter(
             template=template,
             eos_token=model.token_text(model.eos_token),
             bos_token=model.token_text(model.bos_token),
             stop_token_ids=[model.eos_token],
         )
+        self.takes_system = self._takes_system()
 
-    def chat(self, messages: list[Message], toolbox: Toolbox | None = None) -> list[int]:
+    def chat(self, messages: list[Message], toolbox: Toolbox | None = None,
+             reasoning: Reasoning = TEMPLATE_DEFAULT) -> ChatPrompt:
         """ValueError when the template refuses the messages (its raise_exception)."""
-        return self.tokenize_rendered(self.render_chat(messages, toolbox))
+        text = self.render_chat(messages, toolbox, reasoning)
+        return ChatPrompt(text, self.tokenize_rendered(text), self.parser(toolbox, text))
+
+    def parser(self, toolbox: Toolbox | None, prompt_text: str) -> OutputParser | None:
+        return self.format.parser(toolbox, prompt_text)
+
+    def _special_tokens(self, markers: tuple[str, ...]) -> list[int]:
+        """The markers that are special tokens of this model (rendered as nothing unless
+        asked for): each is one token whose plain piece is empty."""
+        tokens = [self.tokenize_rendered(marker) for marker in markers]
+        return [t[0] for t in tokens if len(t) == 1 and not self.model.token_piece(t[0])]
 
     def tokenize_rendered(self, text: str) -> list[int]:
         """Tokens of rendered text: the template writes any BOS itself, and its special tokens
         must parse as such."""
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
-    def render_chat(self, messages: list[Message], toolbox: Toolbox | None = None) -> str:
-        """The prompt's text. ValueError when the template refuses the messages."""
+    def render_chat(self, messages: list[Message], toolbox: Toolbox | None = None,
+                    reasoning: Reasoning = TEMPLATE_DEFAULT) -> str:
+        """The prompt's text. ValueError when the template refuses the messages.
+
+        Tools are rendered by the template when it takes them, else described in the system
+        message (gateway/tools.py); earlier calls and results by the template when it renders
+        them, else as plain turns. A template without a system role (Gemma's) gets the system
+        message at the head of the first user turn."""
+        turns = [self._native(m) if self.renders_calls else _plain(m) for m in messages]
+        options = reasoning.template_options()
         if toolbox is not None and self.takes_tools:
-            rendered = self._formatter(messages=[_native(m) for m in messages],
-                                       tools=[{"type": "function", "function": f}
-                                              for f in toolbox.functions.values()])
-        else:
-            turns = [_plain(m) for m in messages]
-            if toolbox is not None:  # the documented system-prompt format (gateway/tools.py)
-                if turns and turns[0]["role"] == "system":
-                    turns[0]["content"] += "\n\n" + toolbox.system_text()
-                else:
-                    turns.insert(0, {"role": "system", "content": toolbox.system_text()})
-            rendered = self._formatter(messages=turns)
+            options["tools"] = [{"type": "function", "function": f}
+                                for f in toolbox.functions.values()]
+        elif toolbox is not None:
+            described = toolbox.system_text(self.format.name == "json")
+            if turns and turns[0]["role"] == "system":
+                turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{described}"}
+            else:
+                turns.insert(0, {"role": "system", "content": described})
+        if not self.takes_system and len(turns) > 1 and turns[0]["role"] == "system" \
+                and turns[1]["role"] == "user":
+            system, first = turns.pop(0), turns[0]
+            turns[0] = {**first, "content": f"{system['content']}\n\n{first['content']}"}
+        rendered = self._formatter(messages=turns, **options)
         # A named call's head follows, as the start of the answer.
-        return rendered.prompt + (toolbox.answer_head() if toolbox is not None else "")
+        return rendered.prompt + self.format.answer_head(toolbox)
+
+    def _takes_system(self) -> bool:
+        try:
+            self._formatter(messages=[{"role": "system", "content": "s"},
+                                      {"role": "user", "content": "u"}])
+        except ValueError:  # its raise_exception: "System role not supported"
+            return False
+        return True
+
+    def _native(self, message: Message) -> dict:
+        """A message for a template that renders tools, tool calls and reasoning itself."""
+        turn = {"role": _role(message), "content": message.text()}
+        if message.reasoning_content:  # Qwen3 and GLM read the one, gpt-oss the other
+            turn |= {"reasoning_content": message.reasoning_content,
+                     "thinking": message.reasoning_content}
+        if message.tool_calls:
+            turn["tool_calls"] = [{"id": self.format.call_id(c.id), "type": "function",
+                                   "function": {"name": c.function.name,
+                                                "arguments": json.loads(c.function.arguments)}}
+                                  for c in message.tool_calls]
+        if message.tool_call_id:
+            turn["tool_call_id"] = self.format.call_id(message.tool_call_id)
+        return turn
 
     def completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -72,18 +130,6 @@ class PromptBuilder:
 def _role(message: Message) -> str:
     # OpenAI's newer "developer" role is a system message to every chat template we serve.
     return "system" if message.role == "developer" else message.role
-
-
-def _native(message: Message) -> dict:
-    """A message for a template that renders tools and tool calls itself."""
-    turn = {"role": _role(message), "content": message.text()}
-    if message.tool_calls:
-        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
-            for c in message.tool_calls]
-    if message.tool_call_id:
-        turn["tool_call_id"] = message.tool_call_id
-    return turn
 
 
 def _plain(message: Message) -> dict:

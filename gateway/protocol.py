@@ -10,6 +10,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.messages import GenerationRequest, SamplerSettings
+from gateway.chat_formats import ChatFormat
 from gateway.config import SamplingDefaults
 from gateway.errors import APIError, invalid
 from gateway.structured import grammar_for
@@ -55,6 +56,7 @@ class Message(_Strict):
     name: str | None = None
     tool_calls: list[CalledTool] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its reasoning, as llama-server returns it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -145,7 +147,7 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def output_grammar(self) -> str | None:
+    def output_grammar(self, chat_format: ChatFormat | None = None) -> str | None:
         return None
 
     def logprob_count(self) -> int | None:
@@ -154,7 +156,9 @@ class _Sampling(_Strict):
 
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
                       max_tokens_cap: int | None = None, namespace: str = "",
-                      defaults: SamplingDefaults = NO_DEFAULTS) -> GenerationRequest:
+                      defaults: SamplingDefaults = NO_DEFAULTS,
+                      chat_format: ChatFormat | None = None) -> GenerationRequest:
+        """`chat_format`: how the model writes calls, which a required one is forced into."""
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
             max_tokens=completion_room(
@@ -163,7 +167,7 @@ class _Sampling(_Strict):
             sampler=sampler_settings(
                 defaults, self.temperature, self.top_p,
                 None if self.top_k is None else max(self.top_k, 0), self.min_p,
-                grammar=self.output_grammar(), seed=self.seed,
+                grammar=self.output_grammar(chat_format), seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0),
@@ -226,6 +230,7 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
 
@@ -250,9 +255,9 @@ class ChatCompletionRequest(_Sampling):
     def toolbox(self) -> Toolbox | None:
         return Toolbox.of(self.tools, self.tool_choice)
 
-    def output_grammar(self) -> str | None:
+    def output_grammar(self, chat_format: ChatFormat | None = None) -> str | None:
         if self.toolbox is not None and self.toolbox.forced is not None:
-            return self.toolbox.grammar()
+            return chat_format.grammar(self.toolbox)
         if self.response_format is None:
             return None
         if self.response_format.type == "json_schema":

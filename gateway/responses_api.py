@@ -13,6 +13,7 @@ import redis
 from aiohttp import web
 
 from engine.messages import GenerationRequest
+from gateway.chat_formats import OutputParser
 from gateway.errors import APIError, invalid
 from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
 from gateway.protocol import (
@@ -64,7 +65,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             if gateway.shared_responses is not None:
                 gateway.shared_responses.put(entry)
 
-    wire = ResponsesWire(_echo(body), toolbox, body.namespaced(), len(prompt.tokens),
+    wire = ResponsesWire(_echo(body), prompt.parser, body.namespaced(), len(prompt.tokens),
                          gateway.model.token_piece if logprobs else None, store)
 
     def plan() -> Plan:
@@ -75,7 +76,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                        body.max_output_tokens, gateway.config.limits.max_tokens,
                                        "input"),
             sampler=sampler_settings(gateway.config.sampling, body.temperature, body.top_p,
-                                     grammar=body.output_grammar(toolbox)),
+                                     grammar=body.output_grammar(
+                                         toolbox, gateway.prompts.format)),
             namespace=request["namespace"],
             logprobs=(body.top_logprobs or 0) if logprobs else None)
         pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
@@ -91,6 +93,7 @@ class RenderedPrompt:
     tools_text: str
     text: str
     tokens: list[int]
+    parser: OutputParser | None
 
 
 def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
@@ -102,7 +105,8 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
     turns = body.turns(previous.messages if previous else None)
     tools_text = toolbox.system_text() if toolbox is not None else ""
     try:
-        text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox)
+        text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
+                                           body.reasoning_settings())
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the input: {exc}", "input") from None
     if previous is not None and previous.instructions == body.instructions \
@@ -110,17 +114,16 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
         tokens = previous.tokens + gateway.prompts.tokenize_rendered(text[len(previous.text):])
     else:
         tokens = gateway.prompts.tokenize_rendered(text)
-    return RenderedPrompt(turns, tools_text, text, tokens)
+    return RenderedPrompt(turns, tools_text, text, tokens,
+                          gateway.prompts.parser(toolbox, text))
 
 
 def _answer(choice: Choice) -> Message:
     """A response's answer as the next turn's history holds it."""
-    call = choice.tool_call
-    if call is None:
-        return Message(role="assistant", content=choice.text)
-    return Message(role="assistant", content="", tool_calls=[CalledTool(
-        id=call.id, type="function", function=CalledFunction(name=call.name,
-                                                             arguments=call.arguments))])
+    calls = [CalledTool(id=call.id, type="function", function=CalledFunction(
+        name=call.name, arguments=call.text)) for call in choice.calls()]
+    return Message(role="assistant", content=choice.answer(), tool_calls=calls or None,
+                   reasoning_content=choice.reasoning() or None)
 
 
 @routes.get("/v1/responses/{response_id}")

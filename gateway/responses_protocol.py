@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from gateway.chat_formats import ChatFormat, Reasoning
 from gateway.errors import invalid
 from gateway.protocol import (
     CalledFunction,
@@ -116,10 +117,18 @@ class FunctionCallOutputItem(_Strict):
 
 
 class ReasoningItem(BaseModel):
-    """The model's own reasoning of an earlier turn: none from a model without reasoning."""
+    """The model's own reasoning of an earlier turn, rendered back with the assistant turn
+    that follows it (as its template does). Codex sends its summary and encrypted content:
+    only readable text is kept."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["reasoning"]
+    summary: list[dict] | None = None
+    content: list[dict] | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary or []
+        return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
 
 
 class UnservedItem(BaseModel):
@@ -212,8 +221,8 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    # Accepted, no effect here: a model without reasoning, one tier, Codex's own bookkeeping.
-    reasoning: dict | None = None
+    reasoning: dict | None = None  # its effort, for a template that takes one (gpt-oss, Qwen3)
+    # Accepted, no effect here: one tier, Codex's own bookkeeping.
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     client_metadata: dict | None = None
@@ -279,15 +288,18 @@ class ResponsesRequest(_Strict):
         return {f"{t.name}{NAMESPACE_SEPARATOR}{f.name}": (t.name, f.name)
                 for t in self.tools or [] if isinstance(t, NamespaceTool) for f in t.tools}
 
+    def reasoning_settings(self) -> Reasoning:
+        return Reasoning.of_effort((self.reasoning or {}).get("effort"))
+
     def toolbox(self) -> Toolbox | None:
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         return Toolbox.of(self.functions(), choice)
 
-    def output_grammar(self, toolbox: Toolbox | None) -> str | None:
+    def output_grammar(self, toolbox: Toolbox | None, chat_format: ChatFormat) -> str | None:
         if toolbox is not None and toolbox.forced is not None:
-            return toolbox.grammar()
+            return chat_format.grammar(toolbox)
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None
@@ -306,7 +318,7 @@ class ResponsesRequest(_Strict):
 
     def turns(self, history: list[Message] | None = None) -> list[Message]:
         """The conversation without `instructions` (a continuation does not inherit them)."""
-        items = [i for i in self.items() if not isinstance(i, ReasoningItem)]
+        items = list(self.items())  # a copy: its leading system items are taken off
         turns = list(history or [])
         system = []
         while not turns and items and isinstance(items[0], MessageItem) \
@@ -314,7 +326,11 @@ class ResponsesRequest(_Strict):
             system.append(items.pop(0).text())
         if system:
             turns.append(Message(role="system", content="\n\n".join(system)))
+        reasoning = ""  # of the assistant turn that comes next
         for item in items:
+            if isinstance(item, ReasoningItem):
+                reasoning += item.text()
+                continue
             if isinstance(item, FunctionCallItem):
                 call = CalledTool(id=item.call_id, type="function", function=CalledFunction(
                     name=item.offered_name(), arguments=_json_text(item.arguments)))
@@ -323,12 +339,17 @@ class ResponsesRequest(_Strict):
                     turns[-1] = last.model_copy(
                         update={"tool_calls": [*(last.tool_calls or []), call]})
                 else:
-                    turns.append(Message(role="assistant", content="", tool_calls=[call]))
+                    turns.append(Message(role="assistant", content="", tool_calls=[call],
+                                         reasoning_content=reasoning or None))
+                    reasoning = ""
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(Message(role="tool", tool_call_id=item.call_id,
                                      content=item.text()))
             else:
-                turns.append(Message(role=item.role, content=item.text()))
+                thought = (reasoning or None) if item.role == "assistant" else None
+                turns.append(Message(role=item.role, content=item.text(),
+                                     reasoning_content=thought))
+                reasoning = "" if item.role == "assistant" else reasoning
         return turns
 
 

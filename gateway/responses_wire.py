@@ -3,10 +3,11 @@ events, each with a `sequence_number`, as the openai SDK's `responses.stream()` 
 them:
 
     response.created, response.in_progress,
-    response.output_item.added, response.content_part.added, response.output_text.delta...,
-    response.output_text.done, response.content_part.done, response.output_item.done
-    (or, for a call: output_item.added, function_call_arguments.delta/.done, output_item.done),
-    response.completed | response.incomplete | response.failed
+    then for each output item (reasoning, message, function_call, in the answer's order):
+    response.output_item.added, [response.content_part.added],
+    response.reasoning_text.delta... | output_text.delta... | function_call_arguments.delta...,
+    their .done, [response.content_part.done], response.output_item.done;
+    then response.completed | response.incomplete | response.failed
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import uuid
 from collections.abc import Callable
 
 from engine.messages import Output, TokenLogprob, Usage
+from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError
-from gateway.generation import Choice, Event, Wire
-from gateway.tools import Toolbox, ToolCall
+from gateway.generation import Choice, Event, Growth, Wire
 
 
 def _id(prefix: str) -> str:
@@ -26,12 +27,12 @@ def _id(prefix: str) -> str:
 
 
 class ResponsesWire(Wire):
-    def __init__(self, echo: dict, toolbox: Toolbox | None,
+    def __init__(self, echo: dict, parser: OutputParser | None,
                  namespaced: dict[str, tuple[str, str]], prompt_tokens: int,
                  token_bytes=None, on_done: Callable[[dict, Choice], None] | None = None
                  ) -> None:
         self.echo = echo  # what the response object repeats of its request
-        self.toolbox = toolbox
+        self.parser = parser
         self.on_done = on_done  # called with the finished response (to store it)
         self.namespaced = namespaced  # offered name -> (namespace, name)
         self.prompt_tokens = prompt_tokens
@@ -39,8 +40,7 @@ class ResponsesWire(Wire):
         self.id = _id("resp")
         self.created_at = int(time.time())
         self._sequence = 0
-        self._message_id = _id("msg")
-        self._open = False  # a message item is being streamed
+        self._open_at: int | None = None  # the output item being streamed
 
     # The whole object --------------------------------------------------------------------
 
@@ -66,24 +66,29 @@ class ResponsesWire(Wire):
         return self._done(choices[0])
 
     def _done(self, choice: Choice) -> dict:
-        done = self.response(_status(choice), self._items(choice, "completed"), choice.usage)
+        items = [self._item(i, part, choice, "completed") for i, part in enumerate(choice.parts)]
+        done = self.response(_status(choice), items or [
+            self._message(0, "", choice.logprobs, "completed")], choice.usage)
         if self.on_done is not None:
             self.on_done(done, choice)
         return done
 
-    def _items(self, choice: Choice, status: str) -> list[dict]:
-        call = self._call(choice)
-        if call is not None:
-            return [self._call_item(call)]
-        return [self._message(choice.text, choice.logprobs, status)]
+    def _item(self, index: int, part: Part, choice: Choice, status: str) -> dict:
+        """A part as an output item: reasoning, message or function_call."""
+        if part.kind == "call":
+            return self._call_item(part)
+        if part.kind == "reasoning":
+            return {"type": "reasoning", "id": self._item_id("rs", index), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": part.text}],
+                    "status": status}
+        return self._message(index, part.text, choice.logprobs, status)
 
-    def _call(self, choice: Choice) -> ToolCall | None:
-        if self.toolbox is not None and choice.tool_call is None and not choice.texting:
-            choice.tool_call = self.toolbox.parse(choice.text, choice.finish_reason)
-        return choice.tool_call
+    def _item_id(self, prefix: str, index: int) -> str:
+        return f"{prefix}_{self.id.removeprefix('resp_')}_{index}"
 
-    def _message(self, text: str, logprobs: list[TokenLogprob], status: str) -> dict:
-        return {"type": "message", "id": self._message_id, "status": status,
+    def _message(self, index: int, text: str, logprobs: list[TokenLogprob], status: str
+                 ) -> dict:
+        return {"type": "message", "id": self._item_id("msg", index), "status": status,
                 "role": "assistant", "content": [self._part(text, logprobs)]}
 
     def _part(self, text: str, logprobs: list[TokenLogprob]) -> dict:
@@ -114,65 +119,81 @@ class ResponsesWire(Wire):
         return [self._event("response.created", response=started),
                 self._event("response.in_progress", response=started)]
 
-    def on_output(self, index: int, output: Output, choice: Choice) -> list[Event]:
+    def on_output(self, index: int, output: Output, choice: Choice,
+                  growth: list[Growth]) -> list[Event]:
+        """Each part an output item, opened when it begins, closed when the next begins (or
+        the answer ends); its text or arguments streamed as they grow."""
         events = []
-        streamable = choice.streamable(output, self.toolbox)
-        if streamable is not None:
-            events += self._text(*streamable)
-        if not output.last:
-            return events
-        call = None if streamable is not None else self._call(choice)
-        if call is not None:
-            events += self._function_call(call)
-        elif not self._open:  # held back to its end, or no text at all
-            events += self._text(choice.text, choice.logprobs)
-        if self._open:
-            item = self._message(choice.text, choice.logprobs, "completed")
-            part = item["content"][0]
-            events += [
-                self._event("response.output_text.done", item_id=self._message_id,
-                            output_index=0, content_index=0, text=choice.text,
-                            logprobs=part["logprobs"]),
-                self._event("response.content_part.done", item_id=self._message_id,
-                            output_index=0, content_index=0, part=part),
-                self._event("response.output_item.done", output_index=0, item=item)]
-        done = self._done(choice)
-        return [*events, self._event(f"response.{done['status']}", response=done)]
-
-    def _text(self, text: str, logprobs: list[TokenLogprob]) -> list[Event]:
-        events = []
-        if not self._open:
-            self._open = True
-            events += [
-                self._event("response.output_item.added", output_index=0, item={
-                    "type": "message", "id": self._message_id, "status": "in_progress",
-                    "role": "assistant", "content": []}),
-                self._event("response.content_part.added", item_id=self._message_id,
-                            output_index=0, content_index=0, part=self._part("", []))]
-        if text:
-            events.append(self._event("response.output_text.delta", item_id=self._message_id,
-                                      output_index=0, content_index=0, delta=text,
-                                      logprobs=self._logprobs(logprobs)))
+        for g in growth:
+            at = g.index
+            if g.new:
+                events += self._close(choice) + self._open(at, g.part, choice)
+            if g.delta:
+                events.append(self._grown(at, g.part, g.delta, choice))
+        if output.last:
+            if not choice.parts:  # no answer at all: an empty message, as OpenAI sends one
+                choice.parts.append(Part("text"))
+                events += self._open(0, choice.parts[0], choice)
+            events += self._close(choice)
+            done = self._done(choice)
+            events.append(self._event(f"response.{done['status']}", response=done))
         return events
 
-    def _function_call(self, call: ToolCall) -> list[Event]:
-        item = self._call_item(call)
-        return [
-            self._event("response.output_item.added", output_index=0,
-                        item={**item, "arguments": "", "status": "in_progress"}),
-            self._event("response.function_call_arguments.delta", item_id=item["id"],
-                        output_index=0, delta=call.arguments),
-            self._event("response.function_call_arguments.done", item_id=item["id"],
-                        output_index=0, arguments=call.arguments),
-            self._event("response.output_item.done", output_index=0, item=item)]
+    def _open(self, at: int, part: Part, choice: Choice) -> list[Event]:
+        self._open_at = at
+        item = self._item(at, Part(part.kind, "", part.name, part.id), choice, "in_progress")
+        item["status"] = "in_progress"
+        if part.kind != "call":
+            item["content"] = []
+        events = [self._event("response.output_item.added", output_index=at, item=item)]
+        if part.kind == "text":
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=at, content_index=0,
+                                      part=self._part("", [])))
+        return events
 
-    def _call_item(self, call: ToolCall) -> dict:
+    def _grown(self, at: int, part: Part, delta: str, choice: Choice) -> Event:
+        if part.kind == "call":
+            return self._event("response.function_call_arguments.delta",
+                               item_id=self._call_item(part)["id"], output_index=at,
+                               delta=delta)
+        if part.kind == "reasoning":
+            return self._event("response.reasoning_text.delta",
+                               item_id=self._item_id("rs", at), output_index=at,
+                               content_index=0, delta=delta)
+        return self._event("response.output_text.delta", item_id=self._item_id("msg", at),
+                           output_index=at, content_index=0, delta=delta,
+                           logprobs=self._logprobs(choice.new_logprobs()))
+
+    def _close(self, choice: Choice) -> list[Event]:
+        """The events that end the open item, whole."""
+        at, self._open_at = self._open_at, None
+        if at is None:
+            return []
+        part = choice.parts[at]
+        item = self._item(at, part, choice, "completed")
+        if part.kind == "call":
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=at, arguments=part.text)]
+        elif part.kind == "reasoning":
+            events = [self._event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=at, content_index=0, text=part.text)]
+        else:
+            content = item["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"],
+                                  output_index=at, content_index=0, text=part.text,
+                                  logprobs=content["logprobs"]),
+                      self._event("response.content_part.done", item_id=item["id"],
+                                  output_index=at, content_index=0, part=content)]
+        return [*events, self._event("response.output_item.done", output_index=at, item=item)]
+
+    def _call_item(self, call: Part) -> dict:
         """A call as OpenAI returns it; a namespaced function's under its own name, with its
         namespace."""
         namespace, name = self.namespaced.get(call.name, (None, call.name))
         item = {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
-                "call_id": call.id, "name": name, "arguments": call.arguments,
-                "status": "completed" if call.complete else "incomplete"}
+                "call_id": call.id, "name": name, "arguments": call.text,
+                "status": "completed" if call.done else "incomplete"}
         return {**item, "namespace": namespace} if namespace else item
 
     def failure(self, error: APIError) -> list[Event]:
@@ -181,5 +202,3 @@ class ResponsesWire(Wire):
 
 def _status(choice: Choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
-
-

@@ -1,6 +1,6 @@
-"""llama-server's /tokenize and /detokenize. Vocabulary-sized work (a ctypes call per token)
-runs on a thread, within a bound, after the key's rate limit: never on the event loop the
-streams share."""
+"""llama-server's /tokenize, /detokenize and /apply-template. Vocabulary-sized work (a ctypes
+call per token) runs on a thread, within a bound, after the key's rate limit: never on the event
+loop the streams share."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import asyncio
 from aiohttp import web
 
 from engine.llama import Model
+from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.generation import admit, json_response
-from gateway.protocol import DetokenizeRequest, TokenizeRequest, parse_request
+from gateway.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
 from gateway.service import Gateway
 
 MIN_TOKENIZE_BOUND = 65536  # tokens /tokenize and /detokenize take, if the context is shorter
@@ -46,6 +52,22 @@ async def detokenize(request: web.Request) -> web.Response:
     _within_token_bound(gateway, len(body.tokens), "tokens")
     content = await asyncio.to_thread(_detokenized, gateway.model, body.tokens)
     return json_response({"content": content})
+
+
+@routes.post("/apply-template")
+async def apply_template(request: web.Request) -> web.Response:
+    """A chat completion request's prompt, as the model's template renders it (tools and
+    earlier calls in the model's own format), without generating: what a cache miss can be
+    checked against."""
+    gateway: Gateway = request.app["gateway"]
+    admit(request)
+    body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.read())
+    try:
+        text = await asyncio.to_thread(gateway.prompts.render_chat, body.messages,
+                                       body.toolbox, Reasoning.of_effort(body.reasoning_effort))
+    except ValueError as exc:
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    return json_response({"prompt": text, "format": gateway.prompts.format.name})
 
 
 def _within_token_bound(gateway: Gateway, n_tokens: int, param: str) -> None:

@@ -20,7 +20,6 @@ such a JSON object for a known tool becomes a call; with `none` the tools are le
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from gateway.errors import invalid
@@ -29,22 +28,6 @@ from gateway.structured import grammar_for
 TOOL_PROMPT = ("You can call tools. To call one, answer with only a JSON object "
                '{"name": <tool name>, "arguments": {<its arguments>}}. The tools:\n')
 ANY_OBJECT = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON, as OpenAI sends it; cut short when not complete
-    complete: bool = True  # False: the length limit cut the arguments (finish_reason length)
-
-    @property
-    def finish_reason(self) -> str:
-        return "tool_calls" if self.complete else "length"
-
-    def body(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -92,39 +75,8 @@ class Toolbox:
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return grammar_for("json_schema", {"schema": schema}, param="tools")
 
-    def system_text(self) -> str:
-        return TOOL_PROMPT + json.dumps(list(self.functions.values()))
-
-    def may_call(self, text: str) -> bool:
-        """Whether an answer that begins with `text` may still be a call: a forced one always
-        is; with `auto` a call is the whole answer as a JSON object, so an answer that starts
-        with anything but `{` is text, and can be streamed."""
-        stripped = text.lstrip()
-        return self.forced is not None or not stripped or stripped.startswith("{")
-
-    def answer_head(self) -> str:
-        """What the answer starts with before the model writes: a named call's head."""
-        return f'{{"name": {json.dumps(self.forced)}, "arguments": ' if self.forced else ""
-
-    def parse(self, text: str, finish_reason: str | None = "stop") -> ToolCall | None:
-        """The call an answer makes, if it is one. A named call's answer is its arguments,
-        returned as far as they got when the length limit cut them, as OpenAI does."""
-        if self.forced:
-            if finish_reason == "length":
-                return ToolCall(_call_id(), self.forced, text, complete=False)
-            try:
-                return ToolCall(_call_id(), self.forced, json.dumps(json.loads(text)))
-            except ValueError:  # the grammar makes this unreachable; text then, not a guess
-                return None
-        try:
-            call = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or call.get("name") not in self.functions \
-                or not isinstance(call.get("arguments"), dict):
-            return None
-        return ToolCall(_call_id(), call["name"], json.dumps(call["arguments"]))
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    def system_text(self, how_to_call: bool = True) -> str:
+        """The tools, described in the system message. `how_to_call`: with the JSON format's
+        instructions (a model with a call format of its own knows it)."""
+        head = TOOL_PROMPT if how_to_call else "You can call these tools:\n"
+        return head + json.dumps(list(self.functions.values()))

@@ -353,7 +353,7 @@ def run_prefill(server: RunningServer, system: System, sizes: Sizes, model: Mode
     # Counted here, the same for every system: llama-cpp-python's server streams no usage.
     builder = PromptBuilder(model)
     prompt_tokens = [len(builder.chat([Message(role="system", content=c.system),
-                                       Message(role="user", content=c.turns[0])]))
+                                       Message(role="user", content=c.turns[0])]).tokens)
                      for c in conversations]
     run, rows = measure(server, system, "prefill", conversations, 1, max_tokens=1)
     rates = [prompt_tokens[r["group"]] / r["record"].ttft for r in rows if r["record"].ok]

@@ -1,0 +1,100 @@
+"""Each model family's output parsed into reasoning, text and calls: the format recognised from
+its real chat template (llama.cpp's models/templates), whole and at every prefix as a stream
+grows, where parts only ever grow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.chat_formats import Part, detect
+from gateway.protocol import Tool
+from gateway.tools import Toolbox
+from tests.chat_outputs import OUTPUTS, TOOLS
+from tests.templates import template
+
+CASES = [(family, case) for family, (_, cases) in OUTPUTS.items() for case in cases]
+
+
+def family_format(family: str) -> str:
+    """The format a family's template is recognised as (some families differ only in
+    reasoning or ids)."""
+    for suffix in ("-thinking", "-r1", "-ids"):
+        family = family.removesuffix(suffix)
+    return family
+
+
+def toolbox() -> Toolbox:
+    return Toolbox.of([Tool.model_validate(t) for t in TOOLS], "auto")
+
+
+def parser_for(family: str):
+    text = template(OUTPUTS[family][0])
+    fmt = detect(text, "tools" in text)
+    prompt = "<think>\n" if family == "deepseek-r1" else ""  # R1's template opens it
+    return fmt, fmt.parser(toolbox(), prompt)
+
+
+def described(parts: list[Part]) -> tuple:
+    return tuple((p.kind, json.dumps(json.loads(p.text)) if p.kind == "call" else p.text,
+                  p.name) for p in parts)
+
+
+@pytest.mark.parametrize("family", OUTPUTS)
+def test_format_recognised_from_template(family):
+    fmt, _ = parser_for(family)
+    assert fmt.name == family_format(family)
+
+
+@pytest.mark.parametrize(("family", "case"), CASES)
+def test_whole_output_parsed(family, case):
+    scripted = OUTPUTS[family][1][case]
+    _, parser = parser_for(family)
+    parts = parser.parse(scripted.output, final=True)
+    assert described(parts) == scripted.parts
+    assert all(p.done for p in parts if p.kind == "call")
+
+
+@pytest.mark.parametrize(("family", "case"), CASES)
+def test_parts_only_grow_as_the_output_does(family, case):
+    """At every character the parse extends the one before, and ends where the whole does."""
+    scripted = OUTPUTS[family][1][case]
+    _, parser = parser_for(family)
+    before: list[Part] = []
+    for n in range(len(scripted.output) + 1):
+        parts = parser.parse(scripted.output[:n], final=False)
+        assert len(parts) >= len(before), (n, parts, before)
+        for old, new in zip(before, parts, strict=False):
+            assert (old.kind, old.name) == (new.kind, new.name), n
+            assert new.text.startswith(old.text), (n, old, new)
+        before = parts
+    whole = parser.parse(scripted.output, final=True)
+    for old, new in zip(before, whole, strict=False):
+        assert new.text.startswith(old.text)
+
+
+def test_call_cut_by_the_length_limit_is_not_done():
+    _, parser = parser_for("hermes")
+    parts = parser.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+                         final=True)
+    assert [(p.kind, p.name, p.text, p.done) for p in parts] == \
+        [("call", "get_weather", '{"city": "Pa', False)]
+
+
+def test_plain_text_is_streamed_whole_but_for_a_possible_marker():
+    _, parser = parser_for("hermes")
+    assert described(parser.parse("Hello <tool", final=False)) == (("text", "Hello", ""),)
+    assert described(parser.parse("Hello <tool", final=True)) == (("text", "Hello <tool", ""),)
+
+
+def test_no_parser_for_plain_answers():
+    fmt = detect(template("google-gemma-2-2b-it.jinja"), False)
+    assert fmt.parser(None, "") is None
+
+
+def test_mistral_call_ids_fit_its_template():
+    fmt = detect(template("mistralai-Mistral-Nemo-Instruct-2407.jinja"), True)
+    short = fmt.call_id("call_0123456789abcdef")
+    assert len(short) == 9 and short.isalnum() and short == fmt.call_id("call_0123456789abcdef")
+    assert fmt.call_id("a1b2c3d4e") == "a1b2c3d4e"

@@ -1,0 +1,204 @@
+"""Each model family's own call and reasoning format through the real server: its real chat
+template (llama.cpp's models/templates, --chat-template-file) renders the tools and the history,
+the test model's engine replays the family's scripted output (gateway/replay.py), and the
+answer comes back parsed on all three APIs, whole and streamed, through the openai and anthropic
+SDKs. For the families whose outputs think, every request asks for reasoning (reasoning_effort,
+thinking, reasoning.effort): the R1 template opens its <think> only when asked, and DeepSeek
+V3.1's answers without it unless asked."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.chat_outputs import OUTPUTS, TOOLS, Scripted
+from tests.templates import template_path
+from tests.test_chat_formats import family_format
+from tests.test_errors import call as post
+
+# How each family's template renders an earlier call get_weather(city="Paris") in the history:
+# the same text its model writes (the parser reads it back, tests/test_chat_formats.py).
+HISTORY_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "hermes-thinking": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                       '</tool_call>',
+    "qwen3-coder": "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": ',
+    "mistral-args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "mistral-args-ids": '[TOOL_CALLS]get_weather[CALL_ID]',
+    "harmony": 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
+    "deepseek": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}',
+    "deepseek-r1": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                   '{"city": "Paris"}\n```',
+    "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>",
+    "json": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+}
+# Where a template renders the reasoning of the turn that made the call, and how.
+HISTORY_REASONING = {
+    "hermes-thinking": "<think>\nI need the weather.\n</think>",
+    "harmony": "<|channel|>analysis<|message|>I need the weather.",
+    "glm": "<think>I need the weather.</think>",
+}
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+THINKING = {family for family, (_, cases) in OUTPUTS.items()
+            if any(scripted.reasoning() for scripted in cases.values())}
+
+
+@pytest.fixture(scope="module", params=list(OUTPUTS))
+def served(request, model_path, tmp_path_factory):
+    family = request.param
+    rules = tmp_path_factory.mktemp(family) / "replay.json"
+    rules.write_text(json.dumps([
+        {"when": _question(case), "output": scripted.output}
+        for case, scripted in OUTPUTS[family][1].items()]))
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "4096",
+                            "--model-alias", "*",
+                            "--chat-template-file", str(template_path(OUTPUTS[family][0])),
+                            env={"PREFIXGATE_REPLAY": str(rules)})
+    yield family, server
+    server.stop()
+
+
+def _question(case: str) -> str:
+    return f"A question whose answer is the case {case}."
+
+
+def _cases(served) -> list[tuple[str, Scripted]]:
+    family, _ = served
+    return list(OUTPUTS[family][1].items())
+
+
+def _thinking(served, **ask) -> dict:
+    """How an API asks for reasoning, where the family's outputs think."""
+    family, _ = served
+    return ask if family in THINKING else {}
+
+
+def _openai(server: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _anthropic(server: GatewayProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def _expect_calls(scripted: Scripted, calls: list[tuple[str, dict]]) -> None:
+    assert calls == scripted.calls()
+
+
+def test_chat_completions_whole(served):
+    _, server = served
+    for case, scripted in _cases(served):
+        r = _openai(server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": _question(case)}], tools=TOOLS,
+            **_thinking(served, reasoning_effort="high"))
+        message = r.choices[0].message
+        _expect_calls(scripted, [(c.function.name, json.loads(c.function.arguments))
+                                 for c in message.tool_calls or []])
+        assert (message.content or "") == scripted.text(), case
+        assert (getattr(message, "reasoning_content", None) or "") == scripted.reasoning()
+        assert r.choices[0].finish_reason == ("tool_calls" if scripted.calls() else "stop")
+
+
+def test_chat_completions_streamed(served):
+    _, server = served
+    for case, scripted in _cases(served):
+        stream = _openai(server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": _question(case)}], tools=TOOLS,
+            stream=True, **_thinking(served, reasoning_effort="high"))
+        text, reasoning, calls, finish, argument_chunks = "", "", {}, None, 0
+        for chunk in stream:
+            choice = chunk.choices[0]
+            delta = choice.delta
+            text += delta.content or ""
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": call.id, "name": "", "args": ""})
+                entry["name"] += call.function.name or ""
+                entry["args"] += call.function.arguments or ""
+                argument_chunks += 1
+            finish = choice.finish_reason or finish
+        _expect_calls(scripted, [(c["name"], json.loads(c["args"])) for _, c in
+                                 sorted(calls.items())])
+        assert all(c["id"] for c in calls.values())
+        assert text == scripted.text() and reasoning == scripted.reasoning(), case
+        assert finish == ("tool_calls" if scripted.calls() else "stop")
+        if scripted.calls():  # the arguments came as they were generated, not in one piece
+            assert argument_chunks > len(scripted.calls())
+
+
+def _anthropic_parts(content) -> tuple[list, str, str]:
+    calls = [(b.name, b.input) for b in content if b.type == "tool_use"]
+    text = "".join(b.text for b in content if b.type == "text")
+    thinking = "".join(b.thinking for b in content if b.type == "thinking")
+    return calls, text, thinking
+
+
+def test_anthropic_messages_whole_and_streamed(served):
+    _, server = served
+    client = _anthropic(server)
+    for case, scripted in _cases(served):
+        ask = {"model": "m", "max_tokens": 2000, "tools": ANTHROPIC_TOOLS,
+               **_thinking(served, thinking={"type": "enabled", "budget_tokens": 1024}),
+               "messages": [{"role": "user", "content": _question(case)}]}
+        whole = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            streamed = stream.get_final_message()
+        for message in (whole, streamed):
+            calls, text, thinking = _anthropic_parts(message.content)
+            _expect_calls(scripted, calls)
+            assert (text, thinking) == (scripted.text(), scripted.reasoning()), case
+            assert message.stop_reason == ("tool_use" if scripted.calls() else "end_turn")
+
+
+def _responses_parts(output) -> tuple[list, str, str]:
+    calls = [(i.name, json.loads(i.arguments)) for i in output if i.type == "function_call"]
+    text = "".join(c.text for i in output if i.type == "message" for c in i.content)
+    reasoning = "".join(c.text for i in output if i.type == "reasoning" for c in i.content or [])
+    return calls, text, reasoning
+
+
+def test_responses_whole_and_streamed(served):
+    _, server = served
+    client = _openai(server)
+    for case, scripted in _cases(served):
+        ask = {"model": "m", "input": _question(case), "tools": RESPONSES_TOOLS, "store": False,
+               **_thinking(served, reasoning={"effort": "high"})}
+        whole = client.responses.create(**ask)
+        with client.responses.stream(**ask) as stream:
+            streamed = stream.get_final_response()
+        for response in (whole, streamed):
+            calls, text, reasoning = _responses_parts(response.output)
+            _expect_calls(scripted, calls)
+            assert (text, reasoning) == (scripted.text(), scripted.reasoning()), case
+            assert response.status == "completed"
+
+
+def test_the_template_renders_tools_calls_and_reasoning_in_the_models_format(served):
+    """Tools in the template's own words, an earlier call as the model writes one, the
+    reasoning of the turn that made it where the template keeps it, and the result."""
+    family, server = served
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I need the weather.",
+         "tool_calls": [{"id": "call_0123456789abcdef", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "RESULT-42"}]
+    status, body = post(server, "/apply-template", {"model": "m", "messages": messages,
+                                                     "tools": TOOLS})
+    assert status == 200, body
+    prompt = body["prompt"]
+    assert body["format"] == family_format(family)
+    assert "The weather in a city" in prompt  # the tools' definitions
+    question = prompt.index("What is the weather in Paris?")
+    earlier_call = prompt.index(HISTORY_CALLS[family], question)
+    assert prompt.index("RESULT-42") > earlier_call
+    if family in HISTORY_REASONING:
+        assert HISTORY_REASONING[family] in prompt[question:]
