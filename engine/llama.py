@@ -321,8 +321,7 @@ class Sampler:
         self.scripted = bool(s.script)
         self.script = list(reversed(s.script))  # popped from the end
         if s.grammar is not None:
-            self.grammar = lc.llama_sampler_init_grammar(model.vocab, s.grammar.encode(),
-                                                         b"root") or None
+            self.grammar = _grammar_sampler(model, s.grammar, s.grammar_triggers)
             if self.grammar is None:
                 self.close()
                 raise ValueError("llama.cpp could not parse the output grammar")
@@ -410,6 +409,16 @@ class Sampler:
             if sampler:
                 lc.llama_sampler_free(sampler)
                 setattr(self, name, None)
+
+
+def _grammar_sampler(model: Model, gbnf: str, triggers: tuple[str, ...]
+                     ) -> lc.llama_sampler_p | None:
+    """llama.cpp's grammar sampler; lazy with triggers (a tool call's grammar under `auto`)."""
+    if not triggers:
+        return lc.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root") or None
+    patterns = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
+    return lc.llama_sampler_init_grammar_lazy_patterns(
+        model.vocab, gbnf.encode(), b"root", patterns, len(triggers), None, 0) or None
 
 
 def _logit_bias_sampler(n_vocab: int, bias: dict[int, float]) -> lc.llama_sampler_p:

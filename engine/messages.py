@@ -36,7 +36,9 @@ class SamplerSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    grammar: str | None = None  # GBNF the output must follow (structured outputs)
+    grammar: str | None = None  # GBNF the output must follow (structured outputs, calls)
+    # Lazy: the grammar applies once the output matches one of these (from its first group).
+    grammar_triggers: tuple[str, ...] = ()
     # A test-only hook (gateway/replay.py): these tokens are the output, then its end,
     # whatever the model's logits say; the model still computes every one of them.
     script: tuple[int, ...] = ()

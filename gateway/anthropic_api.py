@@ -45,7 +45,6 @@ async def messages(request: web.Request) -> web.StreamResponse:
     gateway.require_model(body.model)
     admit(request)
     prompt = await asyncio.to_thread(_render, gateway, body)
-    toolbox = body.toolbox()
     wire = AnthropicWire(body.model, prompt.parser, len(prompt.tokens),
                          max((pin.n_tokens for pin in prompt.pins), default=0))
 
@@ -57,7 +56,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                        "messages"),
             sampler=sampler_settings(
                 gateway.config.sampling, body.temperature, body.top_p, body.top_k,
-                grammar=gateway.prompts.format.grammar(toolbox)),
+                grammar=prompt.parser.call_grammar() if prompt.parser else None),
             stop=list(body.stop_sequences or []),
             namespace=request["namespace"])
         return Plan(generation, stream=body.stream, pins=prompt.pins)

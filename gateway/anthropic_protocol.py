@@ -197,7 +197,9 @@ class CountTokensRequest(_Strict):
         tools = [Tool(type="function", function=FunctionSpec(
             name=t.name, description=t.description, parameters=t.input_schema))
             for t in self.tools or []]
-        return Toolbox.of(tools, self._openai_tool_choice())
+        choice = self.tool_choice
+        return Toolbox.of(tools, self._openai_tool_choice(),
+                          not (choice is not None and choice.disable_parallel_tool_use))
 
     def _openai_tool_choice(self) -> object:
         choice = self.tool_choice

@@ -31,6 +31,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from gateway.call_grammars import call_grammar
+from gateway.structured import Grammar
 from gateway.tools import Toolbox
 
 
@@ -49,6 +51,7 @@ class ChatFormat:
     think: tuple[str, str] | None = None  # reasoning between these tags
     markers: tuple[str, ...] = ()  # what the output keeps of the model's special tokens
     short_call_ids: bool = False  # the template wants 9-character alphanumeric call ids
+    fenced: bool = False  # DeepSeek R1: arguments in a ```json fence
 
     def parser(self, toolbox: Toolbox | None, prompt: str) -> OutputParser | None:
         """None when answers are plain text (no tools, no reasoning)."""
@@ -64,9 +67,24 @@ class ChatFormat:
             return ""
         return f'{{"name": {json.dumps(toolbox.forced)}, "arguments": '
 
-    def grammar(self, toolbox: Toolbox | None) -> str | None:
-        """The grammar a required call is generated under."""
-        return toolbox.grammar() if toolbox is not None and self.name == "json" else None
+    def grammar(self, toolbox: Toolbox | None, thinking: bool = False) -> Grammar | None:
+        """The grammar of calls: from the first token when one is required (after the
+        reasoning, when the prompt opened it), lazy under `auto` (gateway/call_grammars.py).
+        The JSON fallback has only its required one (gateway/tools.py): under `auto` an answer
+        that is not a call may be any JSON."""
+        if toolbox is None:
+            return None
+        if self.name == "json":
+            return Grammar(toolbox.grammar()) if toolbox.forced is not None else None
+        calls = call_grammar(self.name, toolbox.functions, toolbox.forced or None,
+                             lazy=toolbox.forced is None, parallel=toolbox.parallel,
+                             fenced=self.fenced)
+        if calls is not None and thinking and toolbox.forced is not None:
+            closing = _literal_gbnf(self.think[1])
+            head, _, rest = calls.gbnf.partition("\n")
+            calls = Grammar(f"root ::= [^<]* {closing} [ \\n]* ({head.removeprefix('root ::= ')})"
+                            f"\n{rest}")
+        return calls
 
     def call_id(self, call_id: str) -> str:
         """A call's id as the template takes it: the same id always maps the same way, so a
@@ -117,7 +135,7 @@ def detect(template: str, takes_tools: bool) -> ChatFormat:
     if "<|channel|>" in template:
         return ChatFormat("harmony", markers=HARMONY)
     if "<｜tool▁call▁begin｜>" in template:
-        return ChatFormat("deepseek", think, DEEPSEEK + THINK)
+        return ChatFormat("deepseek", think, DEEPSEEK + THINK, fenced="```json" in template)
     if "[TOOL_CALLS]" in template:
         short = "length 9" in template
         if "[ARGS]" in template:
@@ -168,6 +186,9 @@ class OutputParser:
 
     def __post_init__(self) -> None:
         self.openers = OPENERS[self.format.name] if self.toolbox is not None else ()
+
+    def call_grammar(self) -> Grammar | None:
+        return self.format.grammar(self.toolbox, self.thinking)
 
     def parse(self, text: str, final: bool) -> list[Part]:
         """The parts of an answer so far; `final` once it has ended."""
@@ -401,15 +422,18 @@ class OutputParser:
 
     def _mistral_args(self, text: str, pos: int, final: bool, parts: list[Part]) -> int | None:
         """NAME[ARGS]{...} (Mistral Small 3.2: NAME[CALL_ID]ID[ARGS]{...}), again after each
-        [TOOL_CALLS]."""
+        [TOOL_CALLS]. A later call cut short before its arguments is left as text."""
+        first = True
         while True:
             sep = text.find("[ARGS]", pos)
-            if sep < 0:
-                if final or len(text) - pos > 128:
-                    raise _Malformed
-                return None
-            name, _, call_id = text[pos:sep].partition("[CALL_ID]")
+            name, _, call_id = text[pos:sep if sep >= 0 else len(text)].partition("[CALL_ID]")
             name, call_id = name.strip(), call_id.strip() or None
+            if sep < 0 and not final and len(text) - pos <= 128:
+                return None
+            if sep < 0 or name not in self.toolbox.functions:
+                if first:
+                    raise _Malformed
+                return pos - len("[TOOL_CALLS]")
             args = _skip_space(text, sep + len("[ARGS]"))
             end = _object_end(text, args) if args < len(text) else None
             if args < len(text) and text[args] != "{":
@@ -421,7 +445,7 @@ class OutputParser:
             following = _skip_space(text, end)
             if not text.startswith("[TOOL_CALLS]", following):
                 return end
-            pos = following + len("[TOOL_CALLS]")
+            pos, first = following + len("[TOOL_CALLS]"), False
 
     def _deepseek(self, text: str, start: int, opener: str, final: bool,
                   parts: list[Part]) -> int | None:
@@ -549,6 +573,10 @@ class _Harmony:
 
 
 # ----- pieces ----------------------------------------------------------------------------
+
+def _literal_gbnf(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
 
 def _add_text(parts: list[Part], text: str) -> None:
     if not text:

@@ -7,7 +7,7 @@ import asyncio
 
 from aiohttp import web
 
-from gateway.chat_formats import Reasoning
+from gateway.chat_formats import OutputParser, Reasoning
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
@@ -38,7 +38,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
     wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, prompt.parser)
-    return await generate(request, prompt.tokens, _planner(request, body, prompt.tokens), wire)
+    return await generate(request, prompt.tokens,
+                          _planner(request, body, prompt.tokens, prompt.parser), wire)
 
 
 @routes.post("/v1/completions")
@@ -62,14 +63,14 @@ def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionReque
 
 
 def _planner(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
-             prompt_tokens: list[int]):
+             prompt_tokens: list[int], parser: OutputParser | None = None):
     gateway: Gateway = request.app["gateway"]
 
     def plan() -> Plan:
         generation = body.to_generation(
             prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
             gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling,
-            gateway.prompts.format)
+            parser.call_grammar() if parser is not None else None)
         # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
         pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()

@@ -10,10 +10,9 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.messages import GenerationRequest, SamplerSettings
-from gateway.chat_formats import ChatFormat
 from gateway.config import SamplingDefaults
 from gateway.errors import APIError, invalid
-from gateway.structured import grammar_for
+from gateway.structured import Grammar, grammar_for
 from gateway.tools import Toolbox
 
 NO_DEFAULTS = SamplingDefaults()  # the sampling OpenAI's API defines for what is left out
@@ -147,7 +146,7 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def output_grammar(self, chat_format: ChatFormat | None = None) -> str | None:
+    def output_grammar(self, calls: Grammar | None = None) -> Grammar | None:
         return None
 
     def logprob_count(self) -> int | None:
@@ -157,8 +156,8 @@ class _Sampling(_Strict):
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
                       max_tokens_cap: int | None = None, namespace: str = "",
                       defaults: SamplingDefaults = NO_DEFAULTS,
-                      chat_format: ChatFormat | None = None) -> GenerationRequest:
-        """`chat_format`: how the model writes calls, which a required one is forced into."""
+                      calls: Grammar | None = None) -> GenerationRequest:
+        """`calls`: the grammar of tool calls in the model's syntax (gateway/call_grammars.py)."""
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
             max_tokens=completion_room(
@@ -167,7 +166,7 @@ class _Sampling(_Strict):
             sampler=sampler_settings(
                 defaults, self.temperature, self.top_p,
                 None if self.top_k is None else max(self.top_k, 0), self.min_p,
-                grammar=self.output_grammar(chat_format), seed=self.seed,
+                grammar=self.output_grammar(calls), seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0),
@@ -192,8 +191,10 @@ class _Sampling(_Strict):
 
 def sampler_settings(defaults: SamplingDefaults, temperature: float | None,
                      top_p: float | None, top_k: int | None = None, min_p: float | None = None,
-                     **fixed) -> SamplerSettings:
+                     grammar: Grammar | None = None, **fixed) -> SamplerSettings:
     """What a request asks for, the server's defaults where it leaves a parameter out."""
+    if grammar is not None:
+        fixed |= {"grammar": grammar.gbnf, "grammar_triggers": grammar.triggers}
     return SamplerSettings(
         temperature=defaults.temperature if temperature is None else temperature,
         top_p=defaults.top_p if top_p is None else top_p,
@@ -253,16 +254,17 @@ class ChatCompletionRequest(_Sampling):
 
     @functools.cached_property
     def toolbox(self) -> Toolbox | None:
-        return Toolbox.of(self.tools, self.tool_choice)
+        return Toolbox.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def output_grammar(self, chat_format: ChatFormat | None = None) -> str | None:
-        if self.toolbox is not None and self.toolbox.forced is not None:
-            return chat_format.grammar(self.toolbox)
-        if self.response_format is None:
-            return None
+    def output_grammar(self, calls: Grammar | None = None) -> Grammar | None:
+        """A required call's grammar; else response_format's; else the calls' lazy one."""
+        if calls is not None and not calls.triggers:
+            return calls
+        if self.response_format is None or self.response_format.type == "text":
+            return calls
         if self.response_format.type == "json_schema":
             _require_schema_name(self.response_format.json_schema)
-        return grammar_for(self.response_format.type, self.response_format.json_schema)
+        return Grammar(grammar_for(self.response_format.type, self.response_format.json_schema))
 
 
 class CompletionRequest(_Sampling):

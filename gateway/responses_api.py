@@ -29,6 +29,7 @@ from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire
 from gateway.service import Gateway
 from gateway.shared_responses import DELETED
+from gateway.structured import Grammar
 from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                        body.max_output_tokens, gateway.config.limits.max_tokens,
                                        "input"),
             sampler=sampler_settings(gateway.config.sampling, body.temperature, body.top_p,
-                                     grammar=body.output_grammar(
-                                         toolbox, gateway.prompts.format)),
+                                     grammar=body.output_grammar(_calls(prompt.parser))),
             namespace=request["namespace"],
             logprobs=(body.top_logprobs or 0) if logprobs else None)
         pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
@@ -116,6 +116,10 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
         tokens = gateway.prompts.tokenize_rendered(text)
     return RenderedPrompt(turns, tools_text, text, tokens,
                           gateway.prompts.parser(toolbox, text))
+
+
+def _calls(parser: OutputParser | None) -> Grammar | None:
+    return parser.call_grammar() if parser is not None else None
 
 
 def _answer(choice: Choice) -> Message:

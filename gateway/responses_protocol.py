@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from gateway.chat_formats import ChatFormat, Reasoning
+from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.protocol import (
     CalledFunction,
@@ -34,7 +34,7 @@ from gateway.protocol import (
     _require_schema_name,
     _Strict,
 )
-from gateway.structured import grammar_for
+from gateway.structured import Grammar, grammar_for
 from gateway.tools import Toolbox
 
 NAMESPACE_SEPARATOR = "__"
@@ -295,19 +295,20 @@ class ResponsesRequest(_Strict):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        return Toolbox.of(self.functions(), choice)
+        return Toolbox.of(self.functions(), choice, self.parallel_tool_calls)
 
-    def output_grammar(self, toolbox: Toolbox | None, chat_format: ChatFormat) -> str | None:
-        if toolbox is not None and toolbox.forced is not None:
-            return chat_format.grammar(toolbox)
+    def output_grammar(self, calls: Grammar | None) -> Grammar | None:
+        """A required call's grammar; else text.format's; else the calls' lazy one."""
+        if calls is not None and not calls.triggers:
+            return calls
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
-            return None
+            return calls
         if fmt.type == "json_object":
-            return grammar_for("json_object", None, param="text.format")
+            return Grammar(grammar_for("json_object", None, param="text.format"))
         schema = {"name": fmt.name, "schema": fmt.schema_ or {}}
         _require_schema_name(schema, "text.format.name")
-        return grammar_for("json_schema", schema, param="text.format")
+        return Grammar(grammar_for("json_schema", schema, param="text.format"))
 
     def chat_messages(self, history: list[Message] | None = None) -> list[Message]:
         """The conversation as chat messages: `instructions` and the leading system and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
@@ -29,6 +30,21 @@ MAX_DEPTH = 64
 MAX_GRAMMAR_BYTES = 1 << 20  # what a worker's grammar sampler is given to parse, at most
 _COUNTS = {"minLength", "maxLength", "minItems", "maxItems"}
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {m}, {m,} or {m,n} in a pattern
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar the output follows. Lazy when it has triggers: regular expressions over
+    the whole output so far; the grammar applies from the first group of the first to match
+    (llama.cpp's lazy grammars), and before that the output is free."""
+
+    gbnf: str
+    triggers: tuple[str, ...] = ()
+
+
+def check_schema(schema: object, param: str, where: str = "schema") -> None:
+    """A 400 naming the first keyword or bound a grammar could not enforce."""
+    _check(schema, where, param)
 
 
 def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str | None:

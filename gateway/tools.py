@@ -36,9 +36,11 @@ class Toolbox:
 
     functions: dict[str, dict]  # name -> {"name", "description", "parameters"}
     forced: str | None  # None: the model chooses; "": any tool; a name: that one
+    parallel: bool = True  # several calls in one answer (parallel_tool_calls)
 
     @classmethod
-    def of(cls, tools: list | None, tool_choice: object) -> Toolbox | None:
+    def of(cls, tools: list | None, tool_choice: object,
+           parallel: bool | None = None) -> Toolbox | None:
         """None when there are no tools to offer (or tool_choice is none)."""
         if not tools or tool_choice == "none":
             return None
@@ -56,7 +58,7 @@ class Toolbox:
             if forced not in functions:
                 raise invalid(f"tool_choice names '{forced}', which is not among the tools",
                               "tool_choice")
-        return cls(functions, forced)
+        return cls(functions, forced, parallel is not False)
 
     def grammar(self) -> str | None:
         """A grammar over the call's JSON when a call is required; over only the arguments

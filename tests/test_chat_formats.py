@@ -98,3 +98,11 @@ def test_mistral_call_ids_fit_its_template():
     short = fmt.call_id("call_0123456789abcdef")
     assert len(short) == 9 and short.isalnum() and short == fmt.call_id("call_0123456789abcdef")
     assert fmt.call_id("a1b2c3d4e") == "a1b2c3d4e"
+
+
+def test_a_later_call_cut_before_its_arguments_leaves_the_others():
+    _, parser = parser_for("mistral-args")
+    parts = parser.parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_t',
+                         final=True)
+    assert described(parts) == (("call", '{"city": "Paris"}', "get_weather"),
+                                ("text", "[TOOL_CALLS]get_t", ""))
