@@ -63,7 +63,7 @@ def served(request, model_path, tmp_path_factory):
                             "--model-alias", "*",
                             "--chat-template-file", str(template_path(OUTPUTS[family][0])),
                             env={"PREFIXGATE_REPLAY": str(rules)})
-    yield family, server
+    yield family, server, rules
     server.stop()
 
 
@@ -72,13 +72,13 @@ def _question(case: str) -> str:
 
 
 def _cases(served) -> list[tuple[str, Scripted]]:
-    family, _ = served
+    family, *_ = served
     return list(OUTPUTS[family][1].items())
 
 
 def _thinking(served, **ask) -> dict:
     """How an API asks for reasoning, where the family's outputs think."""
-    family, _ = served
+    family, *_ = served
     return ask if family in THINKING else {}
 
 
@@ -95,7 +95,7 @@ def _expect_calls(scripted: Scripted, calls: list[tuple[str, dict]]) -> None:
 
 
 def test_chat_completions_whole(served):
-    _, server = served
+    _, server, _ = served
     for case, scripted in _cases(served):
         r = _openai(server).chat.completions.create(
             model="m", messages=[{"role": "user", "content": _question(case)}], tools=TOOLS,
@@ -109,7 +109,7 @@ def test_chat_completions_whole(served):
 
 
 def test_chat_completions_streamed(served):
-    _, server = served
+    _, server, _ = served
     for case, scripted in _cases(served):
         stream = _openai(server).chat.completions.create(
             model="m", messages=[{"role": "user", "content": _question(case)}], tools=TOOLS,
@@ -143,7 +143,7 @@ def _anthropic_parts(content) -> tuple[list, str, str]:
 
 
 def test_anthropic_messages_whole_and_streamed(served):
-    _, server = served
+    _, server, _ = served
     client = _anthropic(server)
     for case, scripted in _cases(served):
         ask = {"model": "m", "max_tokens": 2000, "tools": ANTHROPIC_TOOLS,
@@ -167,7 +167,7 @@ def _responses_parts(output) -> tuple[list, str, str]:
 
 
 def test_responses_whole_and_streamed(served):
-    _, server = served
+    _, server, _ = served
     client = _openai(server)
     for case, scripted in _cases(served):
         ask = {"model": "m", "input": _question(case), "tools": RESPONSES_TOOLS, "store": False,
@@ -187,7 +187,7 @@ def test_responses_whole_and_streamed(served):
 def test_a_required_call_is_written_by_the_model_in_its_familys_syntax(served, choice):
     """No replay: the test model itself writes the call, under the grammar of the family's
     syntax (its arguments under their schema), and it comes back parsed."""
-    family, server = served
+    family, server, _ = served
     r = _openai(server).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "What is the time in Tokyo?"}],
         tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=400,
@@ -209,7 +209,7 @@ def test_a_required_call_is_written_by_the_model_in_its_familys_syntax(served, c
 def test_the_template_renders_tools_calls_and_reasoning_in_the_models_format(served):
     """Tools in the template's own words, an earlier call as the model writes one, the
     reasoning of the turn that made it where the template keeps it, and the result."""
-    family, server = served
+    family, server, _ = served
     messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": "", "reasoning_content": "I need the weather.",
@@ -227,3 +227,39 @@ def test_the_template_renders_tools_calls_and_reasoning_in_the_models_format(ser
     assert prompt.index("RESULT-42") > earlier_call
     if family in HISTORY_REASONING:
         assert HISTORY_REASONING[family] in prompt[question:]
+
+
+LONG_ANSWER = "The harbour is calm today and every boat is in. " * 12
+# Turn 1's answer, and whether the template renders it back as the model wrote it.
+REWRITES = {"hermes": (LONG_ANSWER, True),
+            "hermes-thinking": ("<think>\n" + "I should describe the harbour. " * 12 +
+                                "\n</think>\n\n" + LONG_ANSWER, False)}
+
+
+def test_what_a_template_that_rewrites_earlier_turns_costs_the_cache(served):
+    """Qwen3's template drops the reasoning of earlier turns: the answer the model wrote
+    (thinking, then text) is not what the next turn renders, so the next turn reads its
+    prompt from the cache up to where that answer began, and computes the rest. A template
+    that renders the answer as written (Qwen 2.5's) reads the answer from the cache too."""
+    family, server, rules = served
+    if family not in REWRITES:
+        pytest.skip("measured on one family that rewrites and one that does not")
+    output, kept = REWRITES[family]
+    question = "Describe the harbour for the cache."
+    rules.write_text(json.dumps([{"when": question, "output": output},
+                                 *json.loads(rules.read_text())]))
+    client = _openai(server)
+    first = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": question}], max_tokens=400)
+    answer = first.choices[0].message
+    second = client.chat.completions.create(model="m", max_tokens=4, messages=[
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer.content,
+         "reasoning_content": getattr(answer, "reasoning_content", None)},
+        {"role": "user", "content": "Thanks."}])
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    written = first.usage.prompt_tokens + first.usage.completion_tokens
+    if kept:
+        assert cached >= written - 64  # the whole answer, to its last full block
+    else:
+        assert first.usage.prompt_tokens - 64 <= cached <= first.usage.prompt_tokens
