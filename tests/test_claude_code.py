@@ -34,9 +34,10 @@ def server(model_path):
     server.stop()
 
 
-def claude(server: GatewayProcess, home: Path, question: str, *args: str) -> dict:
-    """One `claude -p` run; its JSON result. Replies are capped at 300 tokens, retries at one
-    (a failure shows at once)."""
+def claude(server: GatewayProcess, home: Path, question: str, *args: str,
+           tools: str = "") -> dict:
+    """One `claude -p` run with `tools` (none by default); its JSON result. Replies are capped
+    at 300 tokens, retries at one (a failure shows at once)."""
     home.mkdir(parents=True, exist_ok=True)
     WORKDIR.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home),
@@ -44,7 +45,7 @@ def claude(server: GatewayProcess, home: Path, question: str, *args: str) -> dic
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300", "CLAUDE_CODE_MAX_RETRIES": "1"}
     run = subprocess.run([str(CLAUDE), "-p", "--output-format", "json", "--system-prompt",
-                          SYSTEM, "--tools", "", *args, "--", question], cwd=WORKDIR, env=env,
+                          SYSTEM, "--tools", tools, *args, "--", question], cwd=WORKDIR, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr + run.stdout
     result = json.loads(run.stdout.strip().splitlines()[-1])

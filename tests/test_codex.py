@@ -18,12 +18,14 @@ from tests.agent_prompt import HARBOUR_PROMPT
 ROOT = Path(__file__).resolve().parent.parent
 CODEX = ROOT / ".agents" / "node_modules" / ".bin" / "codex"
 INSTRUCTIONS = HARBOUR_PROMPT  # in place of Codex's own 17 kB
-# What keeps the prompt small: no tools, no skills or permission texts.
-SHRINK = ["-c", "include_permissions_instructions=false", "-c", "skills.include_instructions=false",
-          "-c", "include_environment_context=false", "-c", "web_search=disabled",
-          "-c", "tools.experimental_request_user_input.enabled=false",
-          *[arg for feature in ("multi_agent", "goals", "view_image", "shell_tool",
-                                "unified_exec", "plugins") for arg in ("--disable", feature)]]
+# What keeps the prompt small: no skills or permission texts, no tools but the command runner
+# (exec_command, its shell tool) where a test asks for it.
+SMALL = ["-c", "include_permissions_instructions=false", "-c", "skills.include_instructions=false",
+         "-c", "include_environment_context=false", "-c", "web_search=disabled",
+         "-c", "tools.experimental_request_user_input.enabled=false",
+         *[arg for feature in ("multi_agent", "goals", "view_image", "plugins")
+           for arg in ("--disable", feature)]]
+SHRINK = [*SMALL, "--disable", "shell_tool", "--disable", "unified_exec"]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +56,13 @@ stream_max_retries = 0
     return path
 
 
-def codex(home: Path, workdir: Path, *args: str) -> list[dict]:
+def codex(home: Path, workdir: Path, *args: str, shrink: list[str] = SHRINK) -> list[dict]:
     """One `codex exec --json` run: its JSONL events."""
     workdir.mkdir(exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home),
            "LOCAL_API_KEY": "unused"}
     run = subprocess.run([str(CODEX), "exec", *args[:-1], "--json", "--skip-git-repo-check",
-                          *SHRINK, "-c", "analytics.enabled=false", args[-1]], cwd=workdir,
+                          *shrink, "-c", "analytics.enabled=false", args[-1]], cwd=workdir,
                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                          timeout=300)
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
