@@ -206,6 +206,24 @@ def test_a_required_call_is_written_by_the_model_in_its_familys_syntax(served, c
         assert {c.function.name for c in calls} == {"get_time"}
 
 
+def test_auto_holds_any_call_the_model_writes_to_the_grammar(served):
+    """No replay, tools offered, the model free: whatever it writes, text or calls in its
+    family's syntax (the lazy grammar on from a call's first marker), a call it finishes
+    parses and fits its tool's schema."""
+    _, server, _ = served
+    r = _openai(server).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say hello, then tell me the time."}],
+        tools=TOOLS, max_tokens=200, temperature=0)
+    choice = r.choices[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    if choice.finish_reason == "tool_calls":
+        for called in choice.message.tool_calls:
+            jsonschema.validate(json.loads(called.function.arguments),
+                                schemas[called.function.name])
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
 def test_the_template_renders_tools_calls_and_reasoning_in_the_models_format(served):
     """Tools in the template's own words, an earlier call as the model writes one, the
     reasoning of the turn that made it where the template keeps it, and the result."""

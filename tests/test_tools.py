@@ -114,3 +114,15 @@ def test_a_named_call_cut_short_comes_back_as_openai_returns_it(client, model_na
     full = whole.choices[0].message.tool_calls[0].function.arguments
     assert json.loads(full)  # the whole one parses; the cut one is where it stopped
     assert call.function.arguments.replace(" ", "") in full.replace(" ", "")
+
+
+def test_auto_with_tools_still_answers_text(client, model_name):
+    """Offered tools it has no use for, the model answers in text, streamed as it comes."""
+    ask = {"model": model_name, "tools": [WEATHER, TIME], "tool_choice": "auto",
+           "messages": [{"role": "user", "content": "Say hello to the harbour master."}],
+           "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**ask)
+    assert whole.choices[0].message.tool_calls is None and whole.choices[0].message.content
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(
+        **ask, stream=True) if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 1 and "".join(chunks) == whole.choices[0].message.content
