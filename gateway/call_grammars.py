@@ -55,6 +55,15 @@ class _Rules:
 
 
 COMMA = '", "'
+# Formats that write each parameter as text: a call's head, one parameter, the call's tail.
+TEXT_PARAMETERS = {
+    "qwen3-coder": ('"<tool_call>\\n<function={name}>\\n"',
+                    '"<parameter={key}>\\n" {value} "\\n</parameter>\\n"',
+                    '"</function>\\n</tool_call>"'),
+    "glm": ('"<tool_call>{name}\\n"',
+            '"<arg_key>{key}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"',
+            '"</tool_call>"'),
+}
 
 
 def _alternatives(items: list[str]) -> str:
@@ -111,20 +120,15 @@ def call_grammar(format_name: str, functions: dict[str, dict], forced: str | Non
                               f'<|message|>" {rules.arguments(n)}')
         return Grammar(rules.grammar(call),
                            (r"[\s\S]*?(<\|channel\|>commentary to=)[\s\S]*",) if lazy else ())
-    if format_name == "qwen3-coder":
-        def xml(name: str) -> str:
-            params = _parameters(rules, name, lambda key, value: (
-                f'"<parameter={key}>\\n" {value} "\\n</parameter>\\n"'))
-            return f'"<tool_call>\\n<function={name}>\\n" {params} "</function>\\n</tool_call>"'
-        call = each(xml)
-        return Grammar(rules.grammar(calls(call, '"\\n"')), _trigger("<tool_call>", lazy))
-    if format_name == "glm":
-        def glm(name: str) -> str:
-            params = _parameters(rules, name, lambda key, value: (
-                f'"<arg_key>{key}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"'))
-            return f'"<tool_call>{name}\\n" {params} "</tool_call>"'
-        call = each(glm)
-        return Grammar(rules.grammar(calls(call, '"\\n"')), _trigger("<tool_call>", lazy))
+    if format_name in TEXT_PARAMETERS:
+        head, parameter, tail = TEXT_PARAMETERS[format_name]
+
+        def written(name: str) -> str:
+            params = _parameters(rules, name, lambda key, value: parameter.format(
+                key=key, value=value))
+            return f"{head.format(name=name)} {params} {tail}"
+        return Grammar(rules.grammar(calls(each(written), '"\\n"')),
+                       _trigger("<tool_call>", lazy))
     return None
 
 

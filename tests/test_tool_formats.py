@@ -142,17 +142,26 @@ def _anthropic_parts(content) -> tuple[list, str, str]:
     return calls, text, thinking
 
 
-def test_anthropic_messages_whole_and_streamed(served):
-    _, server, _ = served
-    client = _anthropic(server)
+def _whole_and_streamed(served, create, stream, ask_for):
+    """Each scripted case asked for whole and streamed: the case, its script, and both answers
+    (the stream's as the SDK assembles it)."""
     for case, scripted in _cases(served):
-        ask = {"model": "m", "max_tokens": 2000, "tools": ANTHROPIC_TOOLS,
-               **_thinking(served, thinking={"type": "enabled", "budget_tokens": 1024}),
-               "messages": [{"role": "user", "content": _question(case)}]}
-        whole = client.messages.create(**ask)
-        with client.messages.stream(**ask) as stream:
-            streamed = stream.get_final_message()
-        for message in (whole, streamed):
+        ask = ask_for(case)
+        whole = create(**ask)
+        with stream(**ask) as events:
+            streamed = events.get_final_message() if hasattr(events, "get_final_message") \
+                else events.get_final_response()
+        yield case, scripted, (whole, streamed)
+
+
+def test_anthropic_messages_whole_and_streamed(served):
+    client = _anthropic(served[1])
+    for case, scripted, answers in _whole_and_streamed(
+            served, client.messages.create, client.messages.stream, lambda case: {
+                "model": "m", "max_tokens": 2000, "tools": ANTHROPIC_TOOLS,
+                "messages": [{"role": "user", "content": _question(case)}],
+                **_thinking(served, thinking={"type": "enabled", "budget_tokens": 1024})}):
+        for message in answers:
             calls, text, thinking = _anthropic_parts(message.content)
             _expect_calls(scripted, calls)
             assert (text, thinking) == (scripted.text(), scripted.reasoning()), case
@@ -167,15 +176,12 @@ def _responses_parts(output) -> tuple[list, str, str]:
 
 
 def test_responses_whole_and_streamed(served):
-    _, server, _ = served
-    client = _openai(server)
-    for case, scripted in _cases(served):
-        ask = {"model": "m", "input": _question(case), "tools": RESPONSES_TOOLS, "store": False,
-               **_thinking(served, reasoning={"effort": "high"})}
-        whole = client.responses.create(**ask)
-        with client.responses.stream(**ask) as stream:
-            streamed = stream.get_final_response()
-        for response in (whole, streamed):
+    client = _openai(served[1])
+    for case, scripted, answers in _whole_and_streamed(
+            served, client.responses.create, client.responses.stream, lambda case: {
+                "model": "m", "input": _question(case), "tools": RESPONSES_TOOLS,
+                "store": False, **_thinking(served, reasoning={"effort": "high"})}):
+        for response in answers:
             calls, text, reasoning = _responses_parts(response.output)
             _expect_calls(scripted, calls)
             assert (text, reasoning) == (scripted.text(), scripted.reasoning()), case
