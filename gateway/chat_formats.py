@@ -492,8 +492,7 @@ class OutputParser:
             if whole:
                 raise _Malformed
             return
-        params = re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", inner[head.end():],
-                            re.S)
+        params = _pairs(inner[head.end():], ("<parameter=", ">"), ("", "</parameter>"))
         self._params(parts, head.group(1).strip(), params, whole or "</function>" in inner)
 
     def _glm_call(self, inner: str, whole: bool, parts: list[Part]) -> None:
@@ -503,8 +502,7 @@ class OutputParser:
             if whole:
                 raise _Malformed
             return
-        params = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", inner,
-                            re.S)
+        params = _pairs(inner, ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"))
         self._params(parts, head.group(1).strip(), params, whole)
 
     def _params(self, parts: list[Part], name: str, params: list[tuple[str, str]],
@@ -601,29 +599,60 @@ def _held(text: str, markers: tuple[str, ...]) -> str:
     return text[:cut]
 
 
+def _pairs(body: str, key: tuple[str, str], value: tuple[str, str]) -> list[tuple[str, str]]:
+    """The parameters written whole in `body`, as (key, value): each key between `key`'s two
+    markers, its value after it between `value`'s (one newline trimmed at each end)."""
+    pairs, pos = [], 0
+    while (start := body.find(key[0], pos)) >= 0:
+        key_end = body.find(key[1], start + len(key[0]))
+        opened = body.find(value[0], key_end + len(key[1])) if key_end >= 0 else -1
+        closed = body.find(value[1], opened + len(value[0])) if opened >= 0 else -1
+        if closed < 0:
+            break
+        text = body[opened + len(value[0]):closed]
+        pairs.append((body[start + len(key[0]):key_end],
+                      text.removeprefix("\n").removesuffix("\n")))
+        pos = closed + len(value[1])
+    return pairs
+
+
 def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
     return pos
 
 
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]')  # a lone '"': an open string
+_STRUCTURE = re.compile(r'[{}\[\]"]')
 
 
 def _object_end(text: str, start: int) -> int | None:
     """The index after the JSON object or array opening at `start`; None if not yet closed.
-    (A regular expression skips strings: a long call's arguments are read again as they grow.)"""
-    depth = 0
-    for match in _JSON_TOKENS.finditer(text, start):
-        token = match.group()
-        if token == '"':
-            return None
-        if token in "{[":
+    A call's arguments are read again each time they grow: strings are skipped with
+    str.find, so a long argument costs a few scans in C, not a Python loop per character."""
+    depth, i = 0, start
+    while (found := _STRUCTURE.search(text, i)) is not None:
+        i = found.end()
+        mark = found.group()
+        if mark == '"':
+            i = _string_close(text, i)
+            if i is None:
+                return None
+        elif mark in "{[":
             depth += 1
-        elif token in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return match.end()
+                return i
+    return None
+
+
+def _string_close(text: str, i: int) -> int | None:
+    """The index after the `"` that closes a string whose content begins at `i`."""
+    while (quote := text.find('"', i)) >= 0:
+        backslashes = quote - len(text[i:quote].rstrip("\\")) - i
+        if backslashes % 2 == 0:
+            return quote + 1
+        i = quote + 1
     return None
 
 
@@ -631,24 +660,12 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _LITERALS = ("true", "false", "null")
 
 
-def _string_end(text: str, start: int) -> int | None:
-    escaped = False
-    for i in range(start + 1, len(text)):
-        if escaped:
-            escaped = False
-        elif text[i] == "\\":
-            escaped = True
-        elif text[i] == '"':
-            return i + 1
-    return None
-
-
 def _value_end(text: str, start: int, final: bool) -> int | None:
     """The index after the JSON value at `start`; None while it may go on."""
     if text[start] in "{[":
         end = _object_end(text, start)
     elif text[start] == '"':
-        end = _string_end(text, start)
+        end = _string_close(text, start + 1)
     else:
         rest = text[start:]
         literal = next((w for w in _LITERALS if rest.startswith(w)), None)

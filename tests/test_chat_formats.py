@@ -106,3 +106,14 @@ def test_a_later_call_cut_before_its_arguments_leaves_the_others():
                          final=True)
     assert described(parts) == (("call", '{"city": "Paris"}', "get_weather"),
                                 ("text", "[TOOL_CALLS]get_t", ""))
+
+
+def test_strings_with_quotes_braces_and_backslashes_stay_inside_the_arguments():
+    _, parser = parser_for("hermes")
+    arguments = json.dumps({"city": 'Pa"ris} ]\\', "days": 2})
+    output = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    for n in range(len(output)):  # never whole before its arguments are
+        for part in parser.parse(output[:n], final=False):
+            assert not part.done or part.text == arguments
+    (call,) = parser.parse(output, final=True)
+    assert call.done and json.loads(call.text) == json.loads(arguments)
