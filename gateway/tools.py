@@ -1,5 +1,5 @@
-"""Tool calling: the tool list into the prompt, a grammar that forces a valid call when one is
-required, and the answer back into OpenAI's `tool_calls`.
+"""The tools a request offers (`Toolbox`), and the JSON fallback format for models without a
+call syntax of their own (gateway/chat_formats.py recognises the others).
 
 A chat template that takes `tools` renders them itself. For one that does not (SmolLM2's), the
 tools are described in the system message in this documented format, and earlier calls and
