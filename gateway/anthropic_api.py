@@ -21,7 +21,7 @@ from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic_wire import AnthropicWire
-from gateway.chat_formats import OutputParser
+from gateway.chat_formats import OutputParser, call_grammar_of
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.prompts import ChatPrompt
@@ -56,7 +56,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                        "messages"),
             sampler=sampler_settings(
                 gateway.config.sampling, body.temperature, body.top_p, body.top_k,
-                grammar=prompt.parser.call_grammar() if prompt.parser else None),
+                grammar=call_grammar_of(prompt.parser)),
             stop=list(body.stop_sequences or []),
             namespace=request["namespace"])
         return Plan(generation, stream=body.stream, pins=prompt.pins)

@@ -15,6 +15,7 @@ parameter is JSON of its schema.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from llama_cpp.llama_grammar import SchemaConverter
@@ -26,8 +27,9 @@ from gateway.structured import MAX_GRAMMAR_BYTES, Grammar, check_schema, json_st
 class _Rules:
     """The arguments' rules of every tool, from one converter."""
 
-    def __init__(self, functions: dict[str, dict]) -> None:
+    def __init__(self, functions: dict[str, dict], after: str | None) -> None:
         self.functions = functions
+        self.after = after
         self.converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                          raw_pattern=False)
         self.names = {name: f"args-{i}" for i, name in enumerate(functions)}
@@ -47,6 +49,8 @@ class _Rules:
 
     def grammar(self, root: str) -> str:
         grammar = json_strings_only(self.converter.format_grammar())
+        if self.after is not None:  # the reasoning the prompt opened, closed first
+            root = f'[^<]* {json.dumps(self.after)} [ \\n]* ({root})'
         grammar = f"root ::= {root}\n{grammar}"
         if len(grammar) > MAX_GRAMMAR_BYTES:
             raise invalid(f"the tools make a grammar of {len(grammar)} bytes, more than "
@@ -71,11 +75,13 @@ def _alternatives(items: list[str]) -> str:
 
 
 def call_grammar(format_name: str, functions: dict[str, dict], forced: str | None,
-                 lazy: bool, parallel: bool = True, fenced: bool = False) -> Grammar | None:
+                 lazy: bool, parallel: bool = True, fenced: bool = False,
+                 after: str | None = None) -> Grammar | None:
     """The grammar of calls to `functions` (only `forced` when it names one) in the format
     `format_name`; lazy (for `auto`) triggered where a call begins. None for the JSON fallback
-    (its grammars are gateway/tools.py's)."""
-    rules = _Rules(functions)
+    (its grammars are gateway/tools.py's). `after`: text the output writes first, as it likes,
+    up to that closing mark (reasoning the prompt opened)."""
+    rules = _Rules(functions, after)
     names = [forced] if forced else list(functions)
 
     def each(call: Callable[[str], str]) -> str:

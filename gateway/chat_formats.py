@@ -76,15 +76,10 @@ class ChatFormat:
             return None
         if self.name == "json":
             return Grammar(toolbox.grammar()) if toolbox.forced is not None else None
-        calls = call_grammar(self.name, toolbox.functions, toolbox.forced or None,
-                             lazy=toolbox.forced is None, parallel=toolbox.parallel,
-                             fenced=self.fenced)
-        if calls is not None and thinking and toolbox.forced is not None:
-            closing = _literal_gbnf(self.think[1])
-            head, _, rest = calls.gbnf.partition("\n")
-            calls = Grammar(f"root ::= [^<]* {closing} [ \\n]* ({head.removeprefix('root ::= ')})"
-                            f"\n{rest}")
-        return calls
+        forced = toolbox.forced is not None
+        return call_grammar(self.name, toolbox.functions, toolbox.forced or None,
+                            lazy=not forced, parallel=toolbox.parallel, fenced=self.fenced,
+                            after=self.think[1] if thinking and forced else None)
 
     def call_id(self, call_id: str) -> str:
         """A call's id as the template takes it: the same id always maps the same way, so a
@@ -189,6 +184,7 @@ class OutputParser:
 
     def call_grammar(self) -> Grammar | None:
         return self.format.grammar(self.toolbox, self.thinking)
+
 
     def parse(self, text: str, final: bool) -> list[Part]:
         """The parts of an answer so far; `final` once it has ended."""
@@ -517,6 +513,11 @@ class OutputParser:
         self._call(parts, name, "{" + ", ".join(members) + ("}" if whole else ""), whole)
 
 
+def call_grammar_of(parser: OutputParser | None) -> Grammar | None:
+    """The grammar of a request's tool calls; None when its answer is plain."""
+    return parser.call_grammar() if parser is not None else None
+
+
 class _Harmony:
     """gpt-oss: messages `<|channel|>CHANNEL[ to=functions.NAME][ <|constrain|>json]<|message|>
     CONTENT` ending in <|end|> (then `<|start|>assistant` and the next), <|call|> or
@@ -571,10 +572,6 @@ class _Harmony:
 
 
 # ----- pieces ----------------------------------------------------------------------------
-
-def _literal_gbnf(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
 
 def _add_text(parts: list[Part], text: str) -> None:
     if not text:

@@ -7,7 +7,7 @@ import asyncio
 
 from aiohttp import web
 
-from gateway.chat_formats import OutputParser, Reasoning
+from gateway.chat_formats import OutputParser, Reasoning, call_grammar_of
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
@@ -70,7 +70,7 @@ def _planner(request: web.Request, body: ChatCompletionRequest | CompletionReque
         generation = body.to_generation(
             prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
             gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling,
-            parser.call_grammar() if parser is not None else None)
+            call_grammar_of(parser))
         # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
         pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()

@@ -13,7 +13,7 @@ import redis
 from aiohttp import web
 
 from engine.messages import GenerationRequest
-from gateway.chat_formats import OutputParser
+from gateway.chat_formats import OutputParser, call_grammar_of
 from gateway.errors import APIError, invalid
 from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
 from gateway.protocol import (
@@ -29,7 +29,6 @@ from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire
 from gateway.service import Gateway
 from gateway.shared_responses import DELETED
-from gateway.structured import Grammar
 from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                        body.max_output_tokens, gateway.config.limits.max_tokens,
                                        "input"),
             sampler=sampler_settings(gateway.config.sampling, body.temperature, body.top_p,
-                                     grammar=body.output_grammar(_calls(prompt.parser))),
+                                     grammar=body.output_grammar(call_grammar_of(prompt.parser))),
             namespace=request["namespace"],
             logprobs=(body.top_logprobs or 0) if logprobs else None)
         pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
@@ -116,10 +115,6 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
         tokens = gateway.prompts.tokenize_rendered(text)
     return RenderedPrompt(turns, tools_text, text, tokens,
                           gateway.prompts.parser(toolbox, text))
-
-
-def _calls(parser: OutputParser | None) -> Grammar | None:
-    return parser.call_grammar() if parser is not None else None
 
 
 def _answer(choice: Choice) -> Message:

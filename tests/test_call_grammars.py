@@ -96,3 +96,15 @@ def test_parallel_tool_calls_false_allows_one_call(local_model):
     assert accepts(local_model, several, parallel)
     assert not accepts(local_model, one, parallel)
     assert accepts(local_model, one, OUTPUTS["hermes"][1]["call"].output)
+
+
+def test_a_required_call_comes_after_the_reasoning_the_prompt_opened(local_model):
+    """DeepSeek R1's prompt opens <think>: the required call's grammar lets the reasoning run
+    to its closing tag first, and a call must follow it."""
+    fmt = detect(template(OUTPUTS["deepseek-r1"][0]), True)
+    toolbox = Toolbox.of([Tool.model_validate(t) for t in TOOLS], "required")
+    opened = fmt.grammar(toolbox, thinking=True)
+    output = OUTPUTS["deepseek-r1"][1]["thinking_then_call"].output
+    assert accepts(local_model, opened, output)
+    assert not accepts(local_model, fmt.grammar(toolbox), output)
+    assert not accepts(local_model, opened, "The weather, then.\n</think>\n\nSunny.")
