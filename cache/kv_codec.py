@@ -1,7 +1,9 @@
 """The KV block codec: llama.cpp's serialised sequence state <-> fixed-size pool blocks.
 
-`llama_state_seq_get_data` writes one sequence as (little-endian):
-    u32 magic 0xAF143CD8, i32 source seq id, u32 n_stream,
+`llama_state_seq_get_data` writes one sequence as (little-endian) u32 magic 0xAF143CD8, i32
+source seq id, then one section per KV cache of the context: one for most models, two for a
+sliding-window model (its full-attention layers, then its window layers). A section is:
+    u32 n_stream,
     per stream: u32 cell_count, then if cell_count > 0:
         per cell: i32 pos, u32 n_seq_id (1), i32 seq id
         u32 v_trans, u32 n_layer,
@@ -10,8 +12,14 @@
         per layer V, v_trans = 1: i32 type, u32 element bytes, u32 n_embd, then n_embd rows of
                                   cell_count elements (flash attention off)
 Cells come in the context's cell order, which in a unified KV pool need not be position order.
-A block stores the K and V rows of up to `block_size` consecutive positions, cell-major whatever
-v_trans is, at fixed offsets, so one block loads into contexts with or without flash attention.
+A window section holds only the cells of the last `n_swa` positions of the sequence:
+llama.cpp leaves out the ones its window has passed.
+
+A block stores the K and V rows of every layer of up to `block_size` consecutive positions,
+cell-major whatever v_trans is, at fixed offsets, so one block loads into contexts with or
+without flash attention. A window layer's row of a position depends only on the prefix before it,
+as a full layer's does, so blocks keep them too: a sequence resumed at any position then takes
+its full layers' rows from all its blocks and its window layers' rows from the last ones.
 The layout is internal to the pinned llama.cpp version; the round-trip tests fail loudly if an
 upgrade changes it.
 """
@@ -33,17 +41,20 @@ class LayoutError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """What a serialised sequence looks like for one model and context configuration."""
+class WindowPassed(LayoutError):
+    """The window layers' rows of a position are gone: llama.cpp drops them from a sequence
+    once its window has passed them, and reuses their cells."""
 
-    n_stream: int
-    v_trans: bool
+
+@dataclass(frozen=True)
+class SectionLayout:
+    """The layers of one KV cache, as a serialised section lists them."""
+
     k_types: tuple[int, ...]
     k_row_bytes: tuple[int, ...]
     v_types: tuple[int, ...]
     v_row_bytes: tuple[int, ...]
-    v_element_bytes: tuple[int, ...]
+    v_element_bytes: tuple[int, ...]  # transposed V only; 0 otherwise
 
     @property
     def n_layer(self) -> int:
@@ -53,15 +64,42 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return sum(self.k_row_bytes) + sum(self.v_row_bytes)
 
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a serialised sequence looks like for one model and context configuration."""
+
+    n_stream: int
+    v_trans: bool
+    sections: tuple[SectionLayout, ...]
+    # Positions the last section keeps (the model's n_swa) when it is a window section; 0 when
+    # every section keeps every position.
+    window: int = 0
+
+    @property
+    def n_layer(self) -> int:
+        return sum(section.n_layer for section in self.sections)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(section.bytes_per_token for section in self.sections)
+
     def block_bytes(self, block_size: int) -> int:
         return _BLOCK_HEADER.size + block_size * self.bytes_per_token
+
+    def window_start(self, end: int) -> int:
+        """The first position whose window rows a sequence resumed at `end` needs (a superset
+        for chunked windows, whose start is a multiple of n_swa at or after it)."""
+        return max(0, end - self.window)
 
     def fingerprint(self, model_id: str) -> str:
         """Blocks are only ever read by a process whose model and KV types give the same value.
         v_trans and the stream count are left out: blocks are stored the same way for both."""
         h = xxhash.xxh3_128()
         h.update(model_id.encode())
-        h.update(repr((self.k_types, self.k_row_bytes, self.v_types, self.v_row_bytes)).encode())
+        h.update(repr([(s.k_types, s.k_row_bytes, s.v_types, s.v_row_bytes)
+                       for s in self.sections]).encode())
+        h.update(repr(self.window).encode())
         return h.hexdigest()
 
     @classmethod
@@ -70,69 +108,78 @@ class KVLayout:
 
 
 @dataclass
-class SequenceState:
-    """A parsed one-sequence blob: per-layer rows (views into the blob) ordered by cell, and the
-    cell index of each position."""
+class SectionRows:
+    """One section of a parsed blob: per-layer rows (views into the blob) ordered by cell, and
+    the cell index of each position."""
 
-    layout: KVLayout
     first_pos: int
     cell_of: np.ndarray  # cell index of position first_pos + i
     k: list[np.ndarray]  # per layer: (n_cells, row bytes) uint8
     v: list[np.ndarray]  # the same, or (n_embd, n_cells) of whole elements when V is transposed
 
+    @property
+    def end_pos(self) -> int:
+        return self.first_pos + len(self.cell_of)
+
+
+@dataclass
+class SequenceState:
+    """A parsed one-sequence blob; a section without cells is None."""
+
+    layout: KVLayout
+    sections: list[SectionRows | None]
+
     @classmethod
     def parse(cls, blob: bytes | memoryview | np.ndarray, layout: KVLayout | None
               ) -> SequenceState:
         buf = np.frombuffer(blob, dtype=np.uint8)
-        magic, _seq, n_stream = struct.unpack_from("<IiI", buf, 0)
+        magic, _seq = struct.unpack_from("<Ii", buf, 0)
         if magic != MAGIC:
             raise LayoutError(f"unexpected sequence state magic {magic:#x}")
-        offset, cells = 12, None
-        for _ in range(n_stream):
-            (count,) = struct.unpack_from("<I", buf, offset)
-            offset += 4
-            if count == 0:
-                continue
-            if cells is not None:
-                raise LayoutError("a sequence spans more than one KV stream")
-            cells = np.frombuffer(buf, _CELL, count, offset)
-            if np.any(cells["n_seq"] != 1):
-                raise LayoutError("cells listed with several sequences (or with extensions)")
-            offset += count * _CELL.itemsize
-            v_trans, n_layer = struct.unpack_from("<II", buf, offset)
-            offset += 8
-            k, k_types, k_rows, offset = _read_rows(buf, offset, n_layer, count)
-            if v_trans:
-                v, v_types, v_rows, v_elements, offset = _read_transposed(buf, offset, n_layer,
-                                                                          count)
-            else:
-                v, v_types, v_rows, offset = _read_rows(buf, offset, n_layer, count)
-                v_elements = (0,) * n_layer
-        if cells is None:
+        offset, n_stream, v_trans = 8, 0, None
+        sections: list[SectionRows | None] = []
+        found: list[SectionLayout | None] = []
+        while offset < len(buf):
+            (n_stream,) = struct.unpack_from("<I", buf, offset)
+            rows, section, section_v_trans, offset = _read_section(buf, offset + 4, n_stream)
+            if section_v_trans is not None:
+                if v_trans is not None and section_v_trans != v_trans:
+                    raise LayoutError("sections disagree on V's layout")
+                v_trans = section_v_trans
+            sections.append(rows)
+            found.append(section)
+        if not any(sections):
             raise LayoutError("the sequence holds no cells")
-        found = KVLayout(n_stream, bool(v_trans), k_types, k_rows, v_types, v_rows, v_elements)
-        if layout is not None and found != layout:
+        if layout is None:
+            if None in found:
+                raise LayoutError("a section holds no cells: its layers are unknown")
+            layout = KVLayout(n_stream, bool(v_trans), tuple(found))
+        elif (n_stream, bool(v_trans), len(found)) != (layout.n_stream, layout.v_trans,
+                                                        len(layout.sections)) or any(
+                section not in (None, expected)
+                for section, expected in zip(found, layout.sections, strict=True)):
             raise LayoutError(f"KV layout changed: {found} != {layout}")
-        order = np.argsort(cells["pos"], kind="stable")
-        first_pos = int(cells["pos"][order[0]])
-        if np.any(cells["pos"][order] != np.arange(first_pos, first_pos + len(order))):
-            raise LayoutError("sequence positions are not consecutive")
-        return cls(found, first_pos, order, k, v)
+        return cls(layout, sections)
 
-    def write_block(self, block: np.ndarray, start: int, end: int) -> None:
-        """Copy the cells of positions [start, end) into a pool block."""
-        n = end - start
-        cells = _cell_index(self.cell_of[start - self.first_pos: end - self.first_pos])
-        _BLOCK_HEADER.pack_into(block, 0, n, start)
-        dests = _block_rows(block, self.layout, n)
-        n_layer = self.layout.n_layer
-        for rows, dest in zip(self.k, dests[:n_layer], strict=True):
-            dest[:] = rows[cells]
-        for rows, dest in zip(self.v, dests[n_layer:], strict=True):
-            if self.layout.v_trans:  # (n_embd, cells) of whole elements: gather along cells
-                dest.view(rows.dtype)[:] = rows[:, cells].T
-            else:
-                dest[:] = rows[cells]
+    def write_block(self, block: np.ndarray, block_start: int, start: int, end: int) -> None:
+        """Copy every section's rows of positions [start, end) into the block that begins at
+        position block_start; the block then holds [block_start, end). Raises WindowPassed
+        when a section lacks some of those positions."""
+        for rows in self.sections:
+            if rows is None or rows.first_pos > start or rows.end_pos < end:
+                raise WindowPassed(f"the rows of positions [{start}, {end}) are not all here")
+        _BLOCK_HEADER.pack_into(block, 0, end - block_start, block_start)
+        dests = iter(_block_rows(block, self.layout, start - block_start, end - block_start))
+        for rows in self.sections:
+            cells = _cell_index(rows.cell_of[start - rows.first_pos: end - rows.first_pos])
+            for layer in rows.k:
+                next(dests)[:] = layer[cells]
+            for layer in rows.v:
+                dest = next(dests)
+                if self.layout.v_trans:  # (n_embd, cells) of whole elements: gather by cell
+                    dest.view(layer.dtype)[:] = layer[:, cells].T
+                else:
+                    dest[:] = layer[cells]
 
 
 def block_tokens(block: np.ndarray) -> tuple[int, int]:
@@ -148,58 +195,129 @@ class SequenceAssembler:
         self.layout = layout
         self._buffer = np.empty(0, np.uint8)
 
-    def assemble(self, blocks: list[tuple[np.ndarray, int]], seq_id: int) -> np.ndarray:
+    def assemble(self, blocks: list[tuple[np.ndarray, int]], seq_id: int, *,
+                 full: bool = True, window: bool = True) -> np.ndarray:
         """The first `n` cells of each given block, in order; blocks hold consecutive
-        positions. The result is a view of the reused buffer, valid until the next call."""
+        positions. A window section brings only the positions a sequence resumed at their end
+        needs. `full=False` leaves the other sections out: the blob then loads with
+        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY. `window=False` writes the window section empty. The
+        result is a view of the reused buffer, valid until the next call."""
         layout = self.layout
-        total = sum(n for _, n in blocks)
-        first_pos = block_tokens(blocks[0][0])[1]
-        size = self.blob_bytes(total)
+        first = block_tokens(blocks[0][0])[1]
+        end = first + sum(n for _, n in blocks)
+        last = len(layout.sections) - 1
+        ranges: dict[int, tuple[int, int]] = {}  # section -> the positions it brings
+        for i in range(len(layout.sections)):
+            if layout.window and i == last:
+                ranges[i] = (max(first, layout.window_start(end)), end) if window else (end, end)
+            elif full:
+                ranges[i] = (first, end)
+        size = 8 + sum(_section_bytes(layout, layout.sections[i], hi - lo)
+                       for i, (lo, hi) in ranges.items())
         if len(self._buffer) < size:
             self._buffer = np.empty(size, np.uint8)
         out = self._buffer[:size]
-        struct.pack_into("<IiII", out, 0, MAGIC, seq_id, layout.n_stream, total)
-        offset = 16
+        struct.pack_into("<Ii", out, 0, MAGIC, seq_id)
+        offset = 8
+        views = [(_block_rows(block, layout, 0, n), block_tokens(block)[1], n)
+                 for block, n in blocks]
+        layer_base = 0
+        for i, section in enumerate(layout.sections):
+            if i in ranges:
+                lo, hi = ranges[i]
+                offset = _write_section(out, offset, layout, section, seq_id, lo, hi,
+                                        [(rows[layer_base:], start, n)
+                                         for rows, start, n in views])
+            layer_base += 2 * section.n_layer
+        return out
+
+
+def _read_section(buf: np.ndarray, offset: int, n_stream: int):
+    """(rows or None, layout or None, v_trans or None, offset after it)."""
+    rows = layout = v_trans = None
+    for _ in range(n_stream):
+        (count,) = struct.unpack_from("<I", buf, offset)
+        offset += 4
+        if count == 0:
+            continue
+        if rows is not None:
+            raise LayoutError("a sequence spans more than one KV stream")
+        cells = np.frombuffer(buf, _CELL, count, offset)
+        if np.any(cells["n_seq"] != 1):
+            raise LayoutError("cells listed with several sequences (or with extensions)")
+        offset += count * _CELL.itemsize
+        v_trans, n_layer = struct.unpack_from("<II", buf, offset)
+        offset += 8
+        k, k_types, k_rows, offset = _read_rows(buf, offset, n_layer, count)
+        if v_trans:
+            v, v_types, v_rows, v_elements, offset = _read_transposed(buf, offset, n_layer,
+                                                                      count)
+        else:
+            v, v_types, v_rows, offset = _read_rows(buf, offset, n_layer, count)
+            v_elements = (0,) * n_layer
+        layout = SectionLayout(k_types, k_rows, v_types, v_rows, v_elements)
+        order = np.argsort(cells["pos"], kind="stable")
+        first_pos = int(cells["pos"][order[0]])
+        if np.any(cells["pos"][order] != np.arange(first_pos, first_pos + len(order))):
+            raise LayoutError("sequence positions are not consecutive")
+        rows = SectionRows(first_pos, order, k, v)
+    return rows, layout, v_trans, offset
+
+
+def _section_bytes(layout: KVLayout, section: SectionLayout, n_cells: int) -> int:
+    size = 4 + 4 * layout.n_stream
+    if n_cells:
+        size += n_cells * (_CELL.itemsize + section.bytes_per_token) + 8 + 24 * section.n_layer
+    return size
+
+
+def _write_section(out: np.ndarray, offset: int, layout: KVLayout, section: SectionLayout,
+                   seq_id: int, lo: int, hi: int,
+                   views: list[tuple[list[np.ndarray], int, int]]) -> int:
+    """Writes positions [lo, hi) of one section from the blocks' row views; returns the offset
+    after it. The section's cells are all in the first stream, the others are empty."""
+    total = hi - lo
+    struct.pack_into("<II", out, offset, layout.n_stream, total)
+    offset += 8
+    if total:
         cells = np.frombuffer(out, _CELL, total, offset)
-        cells["pos"] = np.arange(first_pos, first_pos + total)
+        cells["pos"] = np.arange(lo, hi)
         cells["n_seq"] = 1
         cells["seq"] = seq_id
         offset += total * _CELL.itemsize
-        struct.pack_into("<II", out, offset, int(layout.v_trans), layout.n_layer)
+        struct.pack_into("<II", out, offset, int(layout.v_trans), section.n_layer)
         offset += 8
-        views = [_block_rows(block, layout, n) for block, n in blocks]
-        for layer in range(2 * layout.n_layer):
-            i = layer % layout.n_layer
-            if layer < layout.n_layer or not layout.v_trans:
-                types, row_bytes = ((layout.k_types, layout.k_row_bytes) if layer < layout.n_layer
-                                    else (layout.v_types, layout.v_row_bytes))
+        # Per block, the rows it holds of [lo, hi).
+        parts = [(rows, max(lo, start) - start, min(hi, start + n) - start)
+                 for rows, start, n in views if start < hi and start + n > lo]
+        n_layer = section.n_layer
+        for layer in range(2 * n_layer):
+            i = layer % n_layer
+            if layer < n_layer or not layout.v_trans:
+                types, row_bytes = ((section.k_types, section.k_row_bytes) if layer < n_layer
+                                    else (section.v_types, section.v_row_bytes))
                 struct.pack_into("<iQ", out, offset, types[i], row_bytes[i])
                 offset += 12
-                for view in views:
-                    rows = view[layer]
-                    out[offset: offset + rows.size] = rows.reshape(-1)
-                    offset += rows.size
+                for rows, a, b in parts:
+                    part = rows[layer][a:b]
+                    out[offset: offset + part.size] = part.reshape(-1)
+                    offset += part.size
             else:  # transposed V: one row per embedding dimension, one element per cell
-                element = layout.v_element_bytes[i]
+                element = section.v_element_bytes[i]
                 dtype = _element_dtype(element)
-                n_embd = layout.v_row_bytes[i] // element
-                struct.pack_into("<iII", out, offset, layout.v_types[i], element, n_embd)
+                n_embd = section.v_row_bytes[i] // element
+                struct.pack_into("<iII", out, offset, section.v_types[i], element, n_embd)
                 offset += 12
                 size = n_embd * total * element
                 dest = out[offset: offset + size].view(dtype).reshape(n_embd, total)
                 cell = 0
-                for view, (_, n) in zip(views, blocks, strict=True):
-                    dest[:, cell: cell + n] = view[layer].view(dtype).T
-                    cell += n
+                for rows, a, b in parts:
+                    dest[:, cell: cell + b - a] = rows[layer][a:b].view(dtype).T
+                    cell += b - a
                 offset += size
-        out[offset:] = 0  # the empty streams' cell counts
-        return out
-
-    def blob_bytes(self, n_cells: int) -> int:
-        layout = self.layout
-        per_layer_headers = 12 * 2 * layout.n_layer
-        return (12 + 4 * layout.n_stream + n_cells * _CELL.itemsize + 8 + per_layer_headers
-                + n_cells * layout.bytes_per_token)
+    empty = 4 * (layout.n_stream - 1)
+    out[offset: offset + empty] = 0  # the empty streams' cell counts
+    return offset + empty
 
 
 def _read_rows(buf: np.ndarray, offset: int, n_layer: int, count: int):
@@ -242,12 +360,15 @@ def _cell_index(cells: np.ndarray) -> slice | np.ndarray:
     return cells
 
 
-def _block_rows(block: np.ndarray, layout: KVLayout, n: int) -> list[np.ndarray]:
-    """Views of a block's first n rows per layer, K layers then V layers. Each layer owns a fixed
-    region sized for a full block, so a block's rows never move when it is partly used."""
+def _block_rows(block: np.ndarray, layout: KVLayout, lo: int, hi: int) -> list[np.ndarray]:
+    """Views of a block's rows [lo, hi) per layer: each section's K layers then its V layers.
+    Each layer owns a fixed region sized for a full block, so a block's rows never move when
+    it is partly used."""
     capacity = (len(block) - _BLOCK_HEADER.size) // layout.bytes_per_token
     views, offset = [], _BLOCK_HEADER.size
-    for row_bytes in layout.k_row_bytes + layout.v_row_bytes:
-        views.append(block[offset: offset + n * row_bytes].reshape(n, row_bytes))
-        offset += capacity * row_bytes
+    for section in layout.sections:
+        for row_bytes in section.k_row_bytes + section.v_row_bytes:
+            views.append(block[offset + lo * row_bytes: offset + hi * row_bytes]
+                         .reshape(hi - lo, row_bytes))
+            offset += capacity * row_bytes
     return views

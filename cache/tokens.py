@@ -8,6 +8,12 @@ import numpy as np
 # for a one-token batch (sgemm serves two or more), so a one-token tail would round differently
 # from the prompt computed whole.
 COMPUTED_TAIL = 2
+# Cached KV is resumed at a multiple of this many positions. llama.cpp's CPU matmuls on repacked
+# weights (Q4_K, Q4_0, IQ4_NL: the common quantizations) take a batch's rows four at a time and
+# the rows left over one by one, which round differently. A prompt's chunks start at multiples
+# of four, so a tail that starts at one too groups its rows as the whole prompt did (measured on
+# Gemma 3's Q4_K: a tail begun 3 positions off a multiple of four changed the logits by 0.7).
+RESUME_ALIGNMENT = 4
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -15,6 +21,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differs = np.flatnonzero(a[:n] != b[:n])
     return int(differs[0]) if len(differs) else n
+
+
+def resume_point(n: int) -> int:
+    """Where a sequence holding the KV of n positions may take over: n, rounded down."""
+    return n - n % RESUME_ALIGNMENT
+
+
+def most_cached(n_prompt: int) -> int:
+    """The most positions of an n-token prompt a cache hit can skip."""
+    return resume_point(n_prompt - COMPUTED_TAIL)
 
 
 def reusable_prompt(prompt: np.ndarray) -> np.ndarray:

@@ -243,8 +243,17 @@ class Engine:
                 self._computed_tokens += n_tokens
             seq.n_past += n_tokens
             self.cells.add(seq.slot, n_tokens)
+            if self.cache and self.cache.stores_eagerly:
+                self._store_completed_blocks(seq, n_tokens)
             if batch_index is not None:
                 self._sample(seq, batch_index)
+
+    def _store_completed_blocks(self, seq: _Sequence, n_tokens: int) -> None:
+        """Stores the blocks the step completed, while all their KV is still in the context."""
+        bs = self.cache.block_size
+        if seq.n_past // bs > (seq.n_past - n_tokens) // bs:
+            self.cache.store(seq.kv_tokens()[: seq.n_past // bs * bs], seq.request.namespace,
+                             seq.slot, final=False)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -309,31 +318,26 @@ class Engine:
         seq.slot = self._free_slots.pop()
         seq.admitted = next(self._admissions)
         self._running.append(seq)
-        if donor is not None:
-            self.ctx.share(donor.slot, seq.slot, 0, live)
-            self.cells.share(donor.slot, seq.slot, live)
-            seq.n_past = live
-            self._shared_tokens += live if first else 0
         if self.cache:
-            self._load_cached(seq, first)
+            self._load_cached(seq, donor, live, first)
         if first:
             seq.cached = seq.n_past
 
-    def _load_cached(self, seq: _Sequence, first: bool) -> None:
+    def _load_cached(self, seq: _Sequence, donor: _Sequence | None, live: int,
+                     first: bool) -> None:
         try:
-            n = self.cache.load(self._reusable(seq), seq.request.namespace, seq.slot,
-                                have=seq.n_past)
-        except Exception:  # the cache is an optimisation: compute the prompt instead
-            log.exception("loading cached blocks failed; computing the prompt")
-            self.cache.stats.load_failures += 1
-            return
+            shared, held = self.cache.load(self._reusable(seq), seq.request.namespace,
+                                           seq.slot, donor.slot if donor else None, live)
         finally:
             self._drop_holds(seq)
+        if shared:
+            self.cells.share(donor.slot, seq.slot, shared)
+            self._shared_tokens += shared if first else 0
+        self.cells.add(seq.slot, held - shared)
         if first:
             self.cache.stats.queried_tokens += len(seq.prompt)
-            self.cache.stats.hit_tokens += n - seq.n_past
-        self.cells.add(seq.slot, n - seq.n_past)
-        seq.n_past = n
+            self.cache.stats.hit_tokens += held - shared
+        seq.n_past = held
 
     def _live_prefix(self, tokens: np.ndarray, namespace: str) -> tuple[_Sequence | None, int]:
         """The running sequence of the same namespace holding the longest computed prefix of

@@ -96,14 +96,14 @@ class Model:
         return metadata
 
     @property
-    def has_independent_position_kv(self) -> bool:
-        """True when each token's KV depends only on its position and prefix (no sliding window,
-        no recurrent state), which is what lets a prefix be cached block by block."""
-        return not (
-            lc.llama_model_n_swa(self.ptr) > 0
-            or lc.llama_model_is_recurrent(self.ptr)
-            or lc.llama_model_is_hybrid(self.ptr)
-        )
+    def n_swa(self) -> int:
+        """Positions a sliding-window layer attends to; 0 without such layers."""
+        return lc.llama_model_n_swa(self.ptr)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Recurrent (or hybrid) layers keep one state per sequence, not KV per position."""
+        return bool(lc.llama_model_is_recurrent(self.ptr) or lc.llama_model_is_hybrid(self.ptr))
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode()
@@ -134,6 +134,11 @@ class Model:
         return lc.llama_vocab_get_text(self.vocab, token).decode(errors="replace")
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether tokenizing a prompt puts a BOS token first."""
+        return bool(lc.llama_vocab_get_add_bos(self.vocab))
+
+    @property
     def bos_token(self) -> int:
         return lc.llama_vocab_bos(self.vocab)
 
@@ -148,6 +153,30 @@ class Model:
         if self.ptr:
             lc.llama_model_free(self.ptr)
             self.ptr = None
+
+
+def builtin_chat_templates() -> frozenset[str]:
+    """The names of the chat templates llama.cpp renders itself (in C++, not Jinja)."""
+    n = lc.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    lc.llama_chat_builtin_templates(names, n)
+    return frozenset(name.decode() for name in names)
+
+
+def apply_builtin_template(name: str, messages: list[tuple[str, str]]) -> str:
+    """A chat of (role, content) rendered by one of llama.cpp's built-in templates, ready for
+    the answer. ValueError when it cannot render them."""
+    keep = [(role.encode(), content.encode()) for role, content in messages]
+    chat = (lc.llama_chat_message * len(keep))(*keep)
+    size = 4096 + 2 * sum(len(role) + len(content) for role, content in keep)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lc.llama_chat_apply_template(name.encode(), chat, len(keep), True, buf, size)
+        if n < 0:
+            raise ValueError(f"llama.cpp's {name} template could not render the chat")
+        if n <= size:
+            return buf.raw[:n].decode(errors="replace")
+        size = n
 
 
 class Context:
@@ -212,11 +241,17 @@ class Context:
                                               size, seq_id)
         return self._state_buffer[:written]
 
-    def load_sequence_state(self, seq_id: int, blob: np.ndarray) -> None:
-        """Replace a sequence's cells with serialised ones."""
-        if lc.llama_state_seq_set_data(self.ptr, _uint8_pointer(blob), len(blob),
-                                       seq_id) != len(blob):
+    def load_sequence_state(self, seq_id: int, blob: np.ndarray, partial: bool = False) -> None:
+        """Replace a sequence's cells with serialised ones. `partial`: the blob holds only the
+        window section, and only the sequence's window cells are replaced."""
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        if lc.llama_state_seq_set_data_ext(self.ptr, _uint8_pointer(blob), len(blob), seq_id,
+                                           flags) != len(blob):
             raise DecodeError(f"llama.cpp refused {len(blob)} bytes of KV for sequence {seq_id}")
+
+    def cut(self, seq_id: int, end: int) -> None:
+        """Drop a sequence's hold on its cells from position `end` on."""
+        lc.llama_memory_seq_rm(self.memory, seq_id, end, -1)
 
     def close(self) -> None:
         if self.ptr:

@@ -6,10 +6,17 @@ only those positions and cuts them into the slots. With unified KV both go throu
 sequence, so that a sequence can take blocks after the cells it already shares with another
 live sequence, and a store serialises just its range. The index itself lives in the gateway
 (cache/index.py): this side never allocates, frees or evicts a block.
+
+A sliding-window model's blocks hold its window layers' rows too. llama.cpp keeps those only for
+a sequence's last n_swa positions, so such a model's blocks are stored the step they are
+computed, and a load brings the window's rows from the blocks even where a live sequence
+shared the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
 from typing import Protocol
@@ -18,7 +25,8 @@ import numpy as np
 
 from cache.arena import BlockArena
 from cache.index import Lease, StorePlan
-from cache.kv_codec import KVLayout, SequenceAssembler, SequenceState
+from cache.kv_codec import KVLayout, SequenceAssembler, SequenceState, WindowPassed
+from cache.tokens import resume_point
 from engine.config import CacheConfig
 from engine.llama import Batch, Context, Model
 from engine.messages import CacheStats
@@ -49,32 +57,72 @@ class PrefixCache:
         self.stats = CacheStats()
         self._assembler = SequenceAssembler(layout)
 
-    def load(self, tokens: np.ndarray, namespace: str, seq_id: int, have: int = 0) -> int:
-        """Loads cached KV for `tokens` after the first `have` positions the sequence already
-        holds; returns how many positions it holds now. The blocks are in the context once
-        this returns, so none of them stays held."""
-        lease = self.index.match(tokens, namespace)
+    @property
+    def stores_eagerly(self) -> bool:
+        """A sliding-window model's blocks are stored as soon as they are computed: llama.cpp
+        drops a position's window rows once the sequence's window has passed it."""
+        return bool(self.layout.window)
+
+    def load(self, tokens: np.ndarray, namespace: str, seq_id: int, donor: int | None = None,
+             live: int = 0) -> tuple[int, int]:
+        """Gives the sequence, which holds nothing, the KV of the longest prefix of `tokens`
+        that the donor's first `live` positions and the pool hold: shared cells first, then
+        blocks. Returns (positions shared, positions held). Never raises: a failure leaves the
+        prefix to compute. No block stays held once this returns."""
+        shared = 0
         try:
-            if lease.n_tokens <= have:
-                return have
+            lease = self.index.match(tokens, namespace)
+        except Exception:
+            log.exception("the cache index failed a match; computing the prompt")
+            self.stats.load_failures += 1
+            lease = None
+        try:
+            n = resume_point(lease.n_tokens) if lease else 0
+            live = resume_point(live)
+            if self.layout.window:  # the window's rows come from blocks: the donor's may be gone
+                live = min(live, n)
+            if live:
+                self.ctx.share(donor, seq_id, 0, live)
+                shared = live
+            if n <= shared and not (self.layout.window and n):
+                return shared, shared
             start = time.perf_counter()
-            first = have // self.block_size  # blocks are block-aligned: load from the one
-            blocks = [(self.arena.block(slot), n) for slot, n in lease.blocks[first:]]
-            if have == 0:  # nothing to keep: load straight into the (empty) sequence
-                self.ctx.load_sequence_state(seq_id, self._assembler.assemble(blocks, seq_id))
-            else:
-                scratch = self.scratch_seq
-                try:
-                    self.ctx.load_sequence_state(scratch,
-                                                 self._assembler.assemble(blocks, scratch))
-                    self.ctx.share(scratch, seq_id, have, lease.n_tokens)
-                finally:
-                    self.ctx.forget(scratch)
+            self._load_blocks(lease, seq_id, have=shared, n=n)
             self.stats.loads += 1
             self.stats.load_seconds += time.perf_counter() - start
-            return lease.n_tokens
+            return shared, max(n, shared)
+        except Exception:  # the cache is an optimisation: compute the prompt instead
+            log.exception("loading cached blocks failed; computing the prompt")
+            self.stats.load_failures += 1
+            # A window left half loaded is wrong: then nothing stays.
+            shared = 0 if self.layout.window else shared
+            self.ctx.cut(seq_id, shared)
+            return shared, shared
         finally:
-            self.index.release(lease.lease_id)
+            if lease:
+                self.index.release(lease.lease_id)
+
+    def _load_blocks(self, lease: Lease, seq_id: int, have: int, n: int) -> None:
+        """Loads the lease's positions [have, n) (and all of the window before n, whatever the
+        sequence holds)."""
+        bs = self.block_size
+        blocks = [(self.arena.block(slot), min(count, n - i * bs))
+                  for i, (slot, count) in enumerate(lease.blocks) if i * bs < n]
+        if have == 0:  # nothing to keep: load straight into the (empty) sequence
+            self.ctx.load_sequence_state(seq_id, self._assembler.assemble(blocks, seq_id))
+            return
+        if have < n:  # blocks are block-aligned: load from the one `have` is in
+            scratch = self.scratch_seq
+            try:
+                self.ctx.load_sequence_state(scratch, self._assembler.assemble(
+                    blocks[have // bs:], scratch, window=False))
+                self.ctx.share(scratch, seq_id, have, n)
+            finally:
+                self.ctx.forget(scratch)
+        if self.layout.window:  # replaces whatever window rows the sequence shared
+            window = blocks[self.layout.window_start(n) // bs:]
+            self.ctx.load_sequence_state(seq_id, self._assembler.assemble(
+                window, seq_id, full=False), partial=True)
 
     def store(self, tokens: np.ndarray, namespace: str, seq_id: int, final: bool,
               hold: bool = False) -> int | None:
@@ -91,12 +139,11 @@ class PrefixCache:
         written = False
         try:
             if plan.slots:
-                state = self._serialise(seq_id, plan.begin, plan.end)
-                for i, slot in enumerate(plan.slots):
-                    begin = plan.begin + i * self.block_size
-                    state.write_block(self.arena.block(slot), begin,
-                                      min(begin + self.block_size, plan.end))
+                self._write(seq_id, plan)
             written = True
+        except WindowPassed as exc:
+            log.warning("not storing KV blocks: %s (stored too late)", exc)
+            self.stats.store_failures += 1
         except Exception:
             log.exception("storing KV blocks failed; the request runs on uncached")
             self.stats.store_failures += 1
@@ -108,9 +155,26 @@ class PrefixCache:
         self.stats.store_seconds += time.perf_counter() - start
         return plan.plan_id if hold and written else None
 
+    def _write(self, seq_id: int, plan: StorePlan) -> None:
+        """Serialises the plan's positions and cuts them into its slots. A window section holds
+        only the last n_swa positions of what it serialises: ranges of at most that many,
+        aligned to it (as a chunked window is), get them all."""
+        bs, window = self.block_size, self.layout.window
+        edges = [plan.begin, *range((plan.begin // window + 1) * window, plan.end, window),
+                 plan.end] if window else [plan.begin, plan.end]
+        for lo, hi in itertools.pairwise(edges):
+            state = self._serialise(seq_id, lo, hi)
+            for i, slot in enumerate(plan.slots):
+                begin = plan.begin + i * bs
+                end = min(begin + bs, plan.end)
+                if begin < hi and end > lo:
+                    state.write_block(self.arena.block(slot), begin, max(begin, lo),
+                                      min(end, hi))
+
     def _serialise(self, seq_id: int, begin: int, end: int) -> SequenceState:
         if self.scratch_seq is None:  # its own stream: cells cannot be shared out of it
             return SequenceState.parse(self.ctx.sequence_state(seq_id), self.layout)
+        self.ctx.forget(self.scratch_seq)
         self.ctx.share(seq_id, self.scratch_seq, begin, end)
         return SequenceState.parse(self.ctx.sequence_state(self.scratch_seq), self.layout)
 
@@ -123,11 +187,24 @@ def cacheable_layout(model: Model, ctx: Context, config: CacheConfig) -> KVLayou
     if not config.enabled:
         log.info("prefix cache disabled")
         return None
-    if not model.has_independent_position_kv:
-        log.warning("prefix cache disabled: this model's KV (sliding-window or recurrent) "
-                    "cannot be split into independent position blocks")
+    if model.has_recurrent_state:
+        log.warning("prefix cache disabled: this model's recurrent state cannot be split into "
+                    "independent position blocks")
         return None
-    return _probe_layout(ctx)
+    if model.n_swa and not ctx.shape.unified:
+        log.warning("prefix cache disabled: a sliding-window model's blocks are copied out of "
+                    "a shared cell pool, which the deterministic mode does not use")
+        return None
+    layout = _probe_layout(ctx)
+    if model.n_swa:
+        if len(layout.sections) != 2:
+            log.warning("prefix cache disabled: a sliding-window model whose KV has %d "
+                        "sections, not 2", len(layout.sections))
+            return None
+        layout = dataclasses.replace(layout, window=model.n_swa)
+        log.info("sliding-window model (window %d): blocks keep every layer's KV, and a "
+                 "prefix resumes with its last window's", model.n_swa)
+    return layout
 
 
 def _probe_layout(ctx: Context) -> KVLayout:

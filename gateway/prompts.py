@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from llama_cpp import llama_chat_format
 
 from engine.llama import Model
+from gateway.builtin_templates import BuiltinTemplate
 from gateway.chat_formats import TEMPLATE_DEFAULT, ChatFormat, OutputParser, Reasoning, detect
 from gateway.protocol import Message
 from gateway.tools import Toolbox
@@ -29,14 +30,20 @@ class PromptBuilder:
     def __init__(self, model: Model, template: str | None = None) -> None:
         self.model = model
         template = template or model.metadata.get("tokenizer.chat_template")
-        if template is None:
-            log.warning("the model has no chat template in its metadata; using ChatML")
+        builtin = None if template else BuiltinTemplate.for_model(model)
+        if builtin:
+            log.warning("the model has no chat template in its metadata; using llama.cpp's "
+                        "built-in %r template for its architecture", builtin.name)
+            template = ""  # renders neither tools nor calls, in no format of its own
+        elif template is None:
+            log.warning("the model has no chat template in its metadata, and llama.cpp has "
+                        "none built in for its architecture; using ChatML")
             template = llama_chat_format.CHATML_CHAT_TEMPLATE
         self.takes_tools = "tools" in template  # renders the tools' definitions
         self.renders_calls = "tool_calls" in template  # and earlier calls, in its own format
         self.format: ChatFormat = detect(template, self.takes_tools)
         self.shown_tokens = frozenset(self._special_tokens(self.format.markers))
-        self._formatter = llama_chat_format.Jinja2ChatFormatter(
+        self._formatter = builtin or llama_chat_format.Jinja2ChatFormatter(
             template=template,
             eos_token=model.token_text(model.eos_token),
             bos_token=model.token_text(model.bos_token),

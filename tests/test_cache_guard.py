@@ -10,14 +10,14 @@ from engine.prefix_cache import cacheable_layout
 
 
 def test_smollm2_kv_splits_into_position_blocks(local_model):
-    assert local_model.has_independent_position_kv
+    assert not local_model.has_recurrent_state and local_model.n_swa == 0
 
 
-def test_sliding_window_or_recurrent_model_gets_no_cache(caplog):
-    model = SimpleNamespace(has_independent_position_kv=False)
+def test_recurrent_model_gets_no_cache(caplog):
+    model = SimpleNamespace(has_recurrent_state=True, n_swa=0)
     with caplog.at_level(logging.WARNING):
         assert cacheable_layout(model, ctx=None, config=CacheConfig()) is None
-    assert "sliding-window or recurrent" in caplog.text
+    assert "recurrent state" in caplog.text
 
 
 def test_disabled_cache_is_none(local_model):

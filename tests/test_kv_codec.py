@@ -8,7 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.kv_codec import KVLayout, LayoutError, SequenceAssembler, SequenceState
+from cache.kv_codec import (
+    KVLayout,
+    LayoutError,
+    SectionLayout,
+    SequenceAssembler,
+    SequenceState,
+)
 from engine.config import EngineConfig
 from engine.llama import Batch, Context, DecodeError
 
@@ -44,17 +50,18 @@ def to_blocks(state: SequenceState, end: int) -> list[tuple[np.ndarray, int]]:
     for start in range(0, end, BLOCK):
         block = np.zeros(state.layout.block_bytes(BLOCK), np.uint8)
         stop = min(start + BLOCK, end)
-        state.write_block(block, start, stop)
+        state.write_block(block, start, start, stop)
         blocks.append((block, stop - start))
     return blocks
 
 
-def rows_by_position(state: SequenceState) -> list[np.ndarray]:
-    """Every layer's K and V rows, in position order, as bytes per cell."""
-    v = [rows[:, state.cell_of].T for rows in state.v] if state.layout.v_trans \
-        else [rows[state.cell_of] for rows in state.v]
-    return [np.ascontiguousarray(rows).view(np.uint8).reshape(len(state.cell_of), -1)
-            for rows in [rows[state.cell_of] for rows in state.k] + v]
+def rows_by_position(state: SequenceState, section: int = 0) -> list[np.ndarray]:
+    """Every layer's K and V rows of a section, in position order, as bytes per cell."""
+    rows = state.sections[section]
+    v = [layer[:, rows.cell_of].T for layer in rows.v] if state.layout.v_trans \
+        else [layer[rows.cell_of] for layer in rows.v]
+    return [np.ascontiguousarray(layer).view(np.uint8).reshape(len(rows.cell_of), -1)
+            for layer in [layer[rows.cell_of] for layer in rows.k] + v]
 
 
 def test_restored_prefix_continues_like_a_cold_prefill(ctx, local_model, capsys):
@@ -94,7 +101,7 @@ def test_round_trip_keeps_every_byte_even_out_of_cell_order(ctx, local_model):
     prefill(ctx, words[30:45], seq=1, start=30)
     source = SequenceState.parse(ctx.sequence_state(1), layout=None)
     if ctx.shape.unified:
-        assert np.any(np.diff(source.cell_of) < 0)  # really out of order
+        assert np.any(np.diff(source.sections[0].cell_of) < 0)  # really out of order
     expected = rows_by_position(source)
     layout = source.layout
     try:
@@ -105,7 +112,7 @@ def test_round_trip_keeps_every_byte_even_out_of_cell_order(ctx, local_model):
         loaded = SequenceState.parse(ctx.sequence_state(2), layout)
     finally:
         ctx.clear()
-    assert loaded.first_pos == 0 and len(loaded.cell_of) == used
+    assert loaded.sections[0].first_pos == 0 and len(loaded.sections[0].cell_of) == used
     for got, want in zip(rows_by_position(loaded), expected, strict=True):
         assert np.array_equal(got, want[:used])
 
@@ -123,7 +130,8 @@ def test_layout_is_read_and_checked(ctx, local_model):
         assert layout.n_stream == 3 and not layout.v_trans
         assert layout.bytes_per_token == 2 * 30 * 204
     with pytest.raises(LayoutError):
-        SequenceState.parse(blob, layout=KVLayout(4, False, (1,), (2,), (1,), (2,), (0,)))
+        SequenceState.parse(blob, layout=KVLayout(4, False, (
+            SectionLayout((1,), (2,), (1,), (2,), (0,)),)))
     with pytest.raises(LayoutError):
         SequenceState.parse(b"\0" * len(blob), layout=None)
 
@@ -151,6 +159,6 @@ def test_a_load_into_fragmented_cells_takes_any_free_ones(ctx, local_model):
         loaded = SequenceState.parse(ctx.sequence_state(2), source.layout)
     finally:
         ctx.clear()
-    assert len(loaded.cell_of) == used
+    assert len(loaded.sections[0].cell_of) == used
     for got, want in zip(rows_by_position(loaded), expected, strict=True):
         assert np.array_equal(got, want[:used])

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from cache.tokens import most_cached
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DEFAULT_ARGS, openai_client
 from tests.test_disconnect import abandon_many
@@ -64,15 +65,15 @@ def test_repeated_and_shared_prompts_match_uncached(clients, model_name):
     assert usage.prompt_tokens_details.cached_tokens < 8  # cold: the chat template's opening
     again, usage = ask(client, model_name, first)
     assert again == text
-    # All but the last two tokens: see Engine._reusable.
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 2
+    # All but the last two tokens, rounded down to a resume point: see cache/tokens.py.
+    assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
     for question in ["Do you sell used books?", "What happens on Thursdays?"]:
         warm, usage = ask(client, model_name, system_chat(question))
         cold, _ = ask(uncached_client, model_name, system_chat(question))
         assert warm == cold
         # The system prompt is shared; the question is not.
         assert usage.prompt_tokens - 20 < usage.prompt_tokens_details.cached_tokens \
-            < usage.prompt_tokens - 2
+            <= most_cached(usage.prompt_tokens)
 
 
 def test_unshared_prompt_is_computed_and_exact(clients, model_name):
@@ -167,7 +168,7 @@ def test_eviction_under_a_small_pool(small_pool_gateway, uncached_client, model_
     assert metrics["prefixgate_kv_pool_blocks_held"] == 0
     # The most recently used prefix survives; the oldest was evicted.
     usage = complete(client, prompts[-1])[1]
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 2
+    assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
     assert complete(client, prompts[0])[1].prompt_tokens_details.cached_tokens == 0
 
 

