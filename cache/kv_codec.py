@@ -26,6 +26,7 @@ upgrade changes it.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ import xxhash
 
 MAGIC = 0xAF143CD8
 _CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
-_BLOCK_HEADER = struct.Struct("<II")  # n_tokens, first position
+_BLOCK_HEADER = struct.Struct("<III")  # n_tokens, first position, holds a recurrent state
 
 
 class LayoutError(ValueError):
@@ -75,6 +76,10 @@ class KVLayout:
     # Positions the last section keeps (the model's n_swa) when it is a window section; 0 when
     # every section keeps every position.
     window: int = 0
+    # A recurrent or hybrid model's state after a position, as LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+    # writes it (blob header included), ends its blobs; a block may keep the one after its last
+    # position. 0: no recurrent layers.
+    state_bytes: int = 0
 
     @property
     def n_layer(self) -> int:
@@ -85,7 +90,7 @@ class KVLayout:
         return sum(section.bytes_per_token for section in self.sections)
 
     def block_bytes(self, block_size: int) -> int:
-        return _BLOCK_HEADER.size + block_size * self.bytes_per_token
+        return _BLOCK_HEADER.size + block_size * self.bytes_per_token + self.state_bytes
 
     def window_start(self, end: int) -> int:
         """The first position whose window rows a sequence resumed at `end` needs (a superset
@@ -99,12 +104,19 @@ class KVLayout:
         h.update(model_id.encode())
         h.update(repr([(s.k_types, s.k_row_bytes, s.v_types, s.v_row_bytes)
                        for s in self.sections]).encode())
-        h.update(repr(self.window).encode())
+        h.update(repr((self.window, self.state_bytes)).encode())
         return h.hexdigest()
 
     @classmethod
-    def from_sequence_state(cls, blob: bytes | memoryview | np.ndarray) -> KVLayout:
-        return SequenceState.parse(blob, layout=None).layout
+    def from_sequence_state(cls, blob: bytes | memoryview | np.ndarray,
+                            state_bytes: int = 0) -> KVLayout:
+        """The layout of a blob that ends with a recurrent state of `state_bytes` (as the
+        partial blob gives its size), or has none."""
+        if state_bytes and len(blob) == state_bytes:  # recurrent layers only
+            return cls(0, False, (), state_bytes=state_bytes)
+        blob = np.frombuffer(blob, np.uint8)[: len(blob) - max(0, state_bytes - 8)]
+        found = SequenceState.parse(blob, layout=None).layout
+        return dataclasses.replace(found, state_bytes=state_bytes)
 
 
 @dataclass
@@ -133,6 +145,8 @@ class SequenceState:
     def parse(cls, blob: bytes | memoryview | np.ndarray, layout: KVLayout | None
               ) -> SequenceState:
         buf = np.frombuffer(blob, dtype=np.uint8)
+        if layout is not None and layout.state_bytes:  # the recurrent state after the sections
+            buf = buf[: len(buf) - (layout.state_bytes - 8)]
         magic, _seq = struct.unpack_from("<Ii", buf, 0)
         if magic != MAGIC:
             raise LayoutError(f"unexpected sequence state magic {magic:#x}")
@@ -168,7 +182,7 @@ class SequenceState:
         for rows in self.sections:
             if rows is None or rows.first_pos > start or rows.end_pos < end:
                 raise WindowPassed(f"the rows of positions [{start}, {end}) are not all here")
-        _BLOCK_HEADER.pack_into(block, 0, end - block_start, block_start)
+        _BLOCK_HEADER.pack_into(block, 0, end - block_start, block_start, 0)
         dests = iter(_block_rows(block, self.layout, start - block_start, end - block_start))
         for rows in self.sections:
             cells = _cell_index(rows.cell_of[start - rows.first_pos: end - rows.first_pos])
@@ -184,7 +198,26 @@ class SequenceState:
 
 def block_tokens(block: np.ndarray) -> tuple[int, int]:
     """(n_tokens, first position) stored in a block."""
-    return _BLOCK_HEADER.unpack_from(block, 0)
+    return _BLOCK_HEADER.unpack_from(block, 0)[:2]
+
+
+def write_block_header(block: np.ndarray, block_start: int, end: int) -> None:
+    """A block of positions [block_start, end) without rows: a recurrent model's."""
+    _BLOCK_HEADER.pack_into(block, 0, end - block_start, block_start, 0)
+
+
+def write_state(block: np.ndarray, state: np.ndarray) -> None:
+    """Keeps the recurrent state after the block's last position, a partial blob."""
+    block[len(block) - len(state):] = state
+    n_tokens, first, _ = _BLOCK_HEADER.unpack_from(block, 0)
+    _BLOCK_HEADER.pack_into(block, 0, n_tokens, first, 1)
+
+
+def block_state(block: np.ndarray, layout: KVLayout) -> np.ndarray | None:
+    """The recurrent state after the block's last position, if it keeps one."""
+    if not layout.state_bytes or not _BLOCK_HEADER.unpack_from(block, 0)[2]:
+        return None
+    return block[len(block) - layout.state_bytes:]
 
 
 class SequenceAssembler:
@@ -196,12 +229,14 @@ class SequenceAssembler:
         self._buffer = np.empty(0, np.uint8)
 
     def assemble(self, blocks: list[tuple[np.ndarray, int]], seq_id: int, *,
-                 full: bool = True, window: bool = True) -> np.ndarray:
+                 full: bool = True, window: bool = True,
+                 state: np.ndarray | None = None) -> np.ndarray:
         """The first `n` cells of each given block, in order; blocks hold consecutive
         positions. A window section brings only the positions a sequence resumed at their end
         needs. `full=False` leaves the other sections out: the blob then loads with
-        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY. `window=False` writes the window section empty. The
-        result is a view of the reused buffer, valid until the next call."""
+        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY. `window=False` writes the window section empty. A
+        recurrent model's `state` (a partial blob) ends the blob. The result is a view of the
+        reused buffer, valid until the next call."""
         layout = self.layout
         first = block_tokens(blocks[0][0])[1]
         end = first + sum(n for _, n in blocks)
@@ -212,8 +247,9 @@ class SequenceAssembler:
                 ranges[i] = (max(first, layout.window_start(end)), end) if window else (end, end)
             elif full:
                 ranges[i] = (first, end)
+        tail = state[8:] if state is not None else state  # without its blob header
         size = 8 + sum(_section_bytes(layout, layout.sections[i], hi - lo)
-                       for i, (lo, hi) in ranges.items())
+                       for i, (lo, hi) in ranges.items()) + (len(tail) if tail is not None else 0)
         if len(self._buffer) < size:
             self._buffer = np.empty(size, np.uint8)
         out = self._buffer[:size]
@@ -229,6 +265,8 @@ class SequenceAssembler:
                                         [(rows[layer_base:], start, n)
                                          for rows, start, n in views])
             layer_base += 2 * section.n_layer
+        if tail is not None:
+            out[offset:] = tail
         return out
 
 
@@ -364,7 +402,7 @@ def _block_rows(block: np.ndarray, layout: KVLayout, lo: int, hi: int) -> list[n
     """Views of a block's rows [lo, hi) per layer: each section's K layers then its V layers.
     Each layer owns a fixed region sized for a full block, so a block's rows never move when
     it is partly used."""
-    capacity = (len(block) - _BLOCK_HEADER.size) // layout.bytes_per_token
+    capacity = (len(block) - _BLOCK_HEADER.size - layout.state_bytes) // layout.bytes_per_token
     views, offset = [], _BLOCK_HEADER.size
     for section in layout.sections:
         for row_bytes in section.k_row_bytes + section.v_row_bytes:

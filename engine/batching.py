@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from cache.arena import BlockArena
-from cache.tokens import common_prefix, reusable_prompt
+from cache.tokens import COMPUTED_TAIL, common_prefix, reusable_prompt
 from engine.config import EngineConfig
 from engine.kv_cells import CellLedger
 from engine.llama import (
@@ -343,8 +343,8 @@ class Engine:
         """The running sequence of the same namespace holding the longest computed prefix of
         `tokens` (another tenant's would answer faster: a timing side channel)."""
         best, best_len = None, 0
-        if not self.unified or not self.cache:  # streams share no cells; no cache, no reuse
-            return best, best_len
+        if not self.unified or not self.cache or self.cache.keeps_states:
+            return best, best_len  # streams share no cells; no cache, no reuse
         for other in self._running:
             if other.request.namespace != namespace:
                 continue
@@ -389,7 +389,7 @@ class Engine:
             if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
                 break
             if seq.pending > 1:
-                chunk = seq.tokens[seq.n_past: seq.n_past + budget]
+                chunk = seq.tokens[seq.n_past: self._chunk_end(seq, budget)]
                 plan.append((seq, chunk))
                 budget -= len(chunk)
                 prompt_tokens += len(chunk)
@@ -403,6 +403,19 @@ class Engine:
             index = self._batch.add(tokens, seq.n_past, seq.slot, wants_logits)
             entries.append((seq, len(tokens), index if wants_logits else None))
         return entries
+
+    def _chunk_end(self, seq: _Sequence, budget: int) -> int:
+        """Where the sequence's next prompt chunk ends. A recurrent model's state can be kept
+        only where a step ends, so its chunks end at block boundaries, and one at the last
+        boundary a repeat of the prompt can resume from (before its computed tail)."""
+        end = min(seq.n_past + budget, len(seq.tokens))
+        if self.cache and self.cache.keeps_states:
+            bs = self.cache.block_size
+            last = end if end < len(seq.tokens) else end - COMPUTED_TAIL
+            boundary = last // bs * bs
+            if boundary > seq.n_past:
+                return boundary
+        return end
 
     def _preempt_newest(self) -> _Sequence:
         """Pauses the most recently admitted request: its KV goes to the pool (held, so that it

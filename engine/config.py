@@ -25,6 +25,9 @@ class ContextShape:
     flash_attn: bool = False
     unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
     n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
+    # A sliding-window model's window layers get KV cells for every position (llama.cpp's
+    # library default) rather than for the last window of each sequence (llama-server's).
+    swa_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class EngineConfig:
     kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
     flash_attn: bool = True  # default mode only: the deterministic mode always uses it
     deterministic: bool = False
+    swa_full: bool = False  # see ContextShape.swa_full; README, "How it works", says why not
     cache: CacheConfig = CacheConfig()
 
     def context_shape(self) -> ContextShape:
@@ -50,7 +54,7 @@ class EngineConfig:
             return ContextShape(n_ctx=self.ctx_size // self.parallel * self.parallel,
                                 n_seq_max=self.parallel, n_batch=self.batch_tokens,
                                 n_threads=self.threads, kv_type=self.kv_type or "q8_0",
-                                flash_attn=True, unified=False)
+                                flash_attn=True, unified=False, swa_full=self.swa_full)
         # F16 KV with flash attention, as llama-server runs on a CPU: a request alone gives the
         # tokens of llama-cpp-python's flash_attn=True (without it, of its defaults). One more
         # sequence id is the scratch used to move KV ranges. llama.cpp quantizes V only with
@@ -59,4 +63,4 @@ class EngineConfig:
         return ContextShape(n_ctx=self.ctx_size, n_seq_max=self.parallel + 1,
                             n_batch=self.batch_tokens, n_threads=self.threads,
                             kv_type=kv_type, flash_attn=self.flash_attn or kv_type != "f16",
-                            unified=True)
+                            unified=True, swa_full=self.swa_full)

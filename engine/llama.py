@@ -194,6 +194,7 @@ class Context:
         params.n_threads = shape.n_threads
         params.n_threads_batch = shape.n_threads
         params.kv_unified = shape.unified
+        params.swa_full = shape.swa_full
         params.no_perf = True
         params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attn
                                   else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -231,15 +232,21 @@ class Context:
         """Give `dst` the cells of `src` at positions [p0, p1): no data moves."""
         lc.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
 
-    def sequence_state(self, seq_id: int) -> np.ndarray:
+    def sequence_state(self, seq_id: int, partial: bool = False) -> np.ndarray:
         """The serialised KV cells of one sequence (see cache/kv_codec.py for the layout), in a
-        buffer reused from call to call: valid until the next call."""
-        size = lc.llama_state_seq_get_size(self.ptr, seq_id)
+        buffer reused from call to call: valid until the next call. `partial`: only the window
+        section, or a recurrent model's state."""
+        flags = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = lc.llama_state_seq_get_size_ext(self.ptr, seq_id, flags)
         if len(self._state_buffer) < size:
             self._state_buffer = np.empty(size, np.uint8)
-        written = lc.llama_state_seq_get_data(self.ptr, _uint8_pointer(self._state_buffer),
-                                              size, seq_id)
+        written = lc.llama_state_seq_get_data_ext(
+            self.ptr, _uint8_pointer(self._state_buffer), size, seq_id, flags)
         return self._state_buffer[:written]
+
+    def position_end(self, seq_id: int) -> int:
+        """One past the last position the sequence holds (0 when it holds none)."""
+        return lc.llama_memory_seq_pos_max(self.memory, seq_id) + 1
 
     def load_sequence_state(self, seq_id: int, blob: np.ndarray, partial: bool = False) -> None:
         """Replace a sequence's cells with serialised ones. `partial`: the blob holds only the

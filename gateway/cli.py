@@ -85,6 +85,11 @@ def _engine(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="greedy output independent of batching and the cache: Q8_0 KV in one "
                         "stream per sequence, no cell sharing between sequences")
+    p.add_argument("--swa-full", action="store_true",
+                   help="sliding-window models (Gemma 3, gpt-oss): KV cells in the window "
+                        "layers for every position, as llama.cpp's library default, instead of "
+                        "each sequence's last window, as llama-server's default. More memory "
+                        "(Gemma 3: 6x), and no more prefix hits: blocks keep the window")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of each worker's llama.cpp context")
 
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                           beyond_training=args.ctx_size is not None,
                           batch_tokens=args.batch_tokens, threads=args.threads,
                           kv_type=args.kv_type, flash_attn=args.flash_attn == "on",
-                          deterministic=args.deterministic,
+                          deterministic=args.deterministic, swa_full=args.swa_full,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
                                             budget_mb=args.cache_mb, block_size=args.block_size))
     config = ServerConfig(

@@ -59,9 +59,26 @@ def chat(server: GatewayProcess, messages: list[dict], max_tokens: int = 24):
 
 
 def test_the_cache_is_on_for_the_sliding_window_model(gemma_gateways):
+    """The window layers get cells for each sequence's window (5 of them: 4 and the scratch)
+    and a batch, as in llama-server, not for every position."""
     cached, _ = gemma_gateways
-    assert "sliding-window model (window 512)" in cached.log_path.read_text()
+    log = cached.log_path.read_text()
+    assert "sliding-window model (window 512)" in log
+    assert "24 MiB for the full layers (8192 cells), 45 MiB for the window layers (3072 cells)" \
+        in log
     assert cached.metrics()["prefixgate_kv_pool_bytes_capacity"] > 0
+
+
+def test_swa_full_gives_the_window_layers_every_position(gemma_path):
+    server = GatewayProcess(gemma_path, *ARGS, "--swa-full")
+    try:
+        assert "120 MiB for the window layers (8192 cells, --swa-full)" \
+            in server.log_path.read_text()
+        complete(server, SYSTEM + "\nA first ending")
+        usage = complete(server, SYSTEM + "\nA second ending")[2]
+        assert usage.prompt_tokens_details.cached_tokens > 0.9 * usage.prompt_tokens
+    finally:
+        server.stop()
 
 
 def test_the_model_without_a_template_gets_llama_cpps_gemma_template(gemma_gateways):

@@ -1,0 +1,106 @@
+"""The prefix cache on recurrent (Mamba) and hybrid (LFM2: short convolutions beside attention)
+models, on tiny random-weight GGUFs (tests/tiny_models.py). A recurrent layer keeps one state
+per sequence, not KV per position: blocks keep the state after them where a prompt chunk or an
+answer's block ended, and a prefix resumes at the deepest such block. Outputs and logprobs
+after a hit equal a cold prefill's, and `cached_tokens` says what was really skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+from tests.tiny_models import tiny_model
+
+ARGS = ("--parallel", "4", "--ctx-size", "4096", "--no-flash-attn")
+BLOCK = 64
+WORDS = ["harbour", "ferry", "lighthouse", "keeper", "storm", "ship", "weather", "log", "tide",
+         "anchor"]
+
+
+def text(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] + str(i % 13) for i in range(n_words))
+
+
+@pytest.fixture(scope="module", params=["mamba", "lfm2"])
+def gateways(request):
+    path = tiny_model(request.param)
+    servers = (GatewayProcess(path, *ARGS), GatewayProcess(path, *ARGS, "--no-prefix-cache"))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def complete(server: GatewayProcess, prompt: str, max_tokens: int = 12):
+    r = openai_client(server).completions.create(
+        model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        logprobs=3)
+    return r.choices[0].text, r.choices[0].logprobs.top_logprobs, r.usage
+
+
+def computed(server: GatewayProcess) -> float:
+    return server.settled()["prefixgate_prompt_tokens_computed_total"]
+
+
+def test_the_cache_keeps_recurrent_states(gateways):
+    cached, _ = gateways
+    assert "recurrent model (a state of" in cached.log_path.read_text()
+
+
+def test_a_shared_prefix_resumes_from_a_kept_state_exactly(gateways):
+    """The first prompt's chunks end at block boundaries, and one at the last boundary before
+    its end: a second prompt sharing all of it but its last words resumes there."""
+    cached, uncached = gateways
+    prefix = text(300, 1)
+    first = complete(cached, prefix + " and then the first ending")
+    assert first[:2] == complete(uncached, prefix + " and then the first ending")[:2]
+    before = computed(cached)
+    warm = complete(cached, prefix + " but later a second ending")
+    cold = complete(uncached, prefix + " but later a second ending")
+    assert warm[:2] == cold[:2]  # the text, and every top-3 logprob
+    usage = warm[2]
+    skipped = usage.prompt_tokens_details.cached_tokens
+    assert skipped > 0 and skipped % BLOCK == 0  # a block boundary...
+    assert usage.prompt_tokens - skipped <= BLOCK + 8  # ...the last before the endings part
+    # cached_tokens is what was really skipped: the rest was computed.
+    assert computed(cached) - before == usage.prompt_tokens - skipped
+    assert cold[2].prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_chat_resumes_after_its_previous_answer(gateways):
+    """The state after a request's last computed position is kept when it ends: the next turn
+    of a chat resumes from it when it starts with that turn's tokens. The answer was computed
+    a token per step, which rounds a hybrid's attention KV differently from a prefill of the
+    same tokens (as on Gemma 3, tests/test_sliding_window.py): the text is compared here."""
+    cached, uncached = gateways
+    prompt = text(150, 2)
+    answer, _, usage = complete(cached, prompt, max_tokens=20)
+    first_end = usage.prompt_tokens + usage.completion_tokens - 1  # the last token is not run
+    follow_up = prompt + answer + " and the keeper answers"
+    warm = complete(cached, follow_up)
+    cold = complete(uncached, follow_up)
+    assert warm[0] == cold[0]
+    # Where the retokenized answer still equals the generated tokens, up to the first end.
+    assert warm[2].prompt_tokens_details.cached_tokens >= first_end // BLOCK * BLOCK
+    metrics = cached.settled()
+    assert metrics["prefixgate_prefix_cache_load_failures_total"] == 0
+    assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+
+
+def test_a_restart_keeps_the_states(tmp_path):
+    path = tiny_model("lfm2")
+    args = (*ARGS, "--cache-dir", str(tmp_path))
+    prompt = text(200, 3)
+    first = GatewayProcess(path, *args)
+    try:
+        before = complete(first, prompt)
+    finally:
+        first.stop()
+    second = GatewayProcess(path, *args)
+    try:
+        after = complete(second, prompt)
+    finally:
+        second.stop()
+    assert after[:2] == before[:2]
+    usage = after[2]
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 2) // BLOCK * BLOCK

@@ -1,0 +1,114 @@
+"""Tiny GGUF files with random weights for the architectures no small real model on PyPI has: a
+recurrent one (Mamba) and a hybrid one (LFM2: short convolutions beside attention layers).
+
+Written with the `gguf` package, llama.cpp's own converter library, with SmolLM2's tokenizer.
+Random weights are enough to prove that a restored state continues exactly as a recomputed one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from gateway.model_store import MODEL_DIR, default_model_path
+
+N_EMBD = 64
+
+
+def tiny_model(architecture: str, model_dir: Path = MODEL_DIR) -> Path:
+    """The model's file, written on first use (in about 5 s)."""
+    path = model_dir / f"tiny-random-{architecture}.gguf"
+    if not path.exists():
+        partial = path.with_suffix(".part")
+        writer = GGUFWriter(str(partial), architecture)
+        n_vocab = _copy_tokenizer(writer, GGUFReader(str(default_model_path(model_dir))))
+        {"mamba": _mamba, "lfm2": _lfm2}[architecture](writer, n_vocab,
+                                                        np.random.default_rng(0))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        partial.rename(path)
+    return path
+
+
+def _copy_tokenizer(writer: GGUFWriter, reader: GGUFReader) -> int:
+    for name, entry in reader.fields.items():
+        if name.startswith("tokenizer."):
+            kind = entry.types[0]
+            sub_type = entry.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, entry.contents(), kind, sub_type=sub_type)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
+def _random(rng: np.random.Generator, *shape: int, scale: float = 0.2) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, np.float32)
+
+
+def _mamba(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int = 2,
+           d_state: int = 16, d_conv: int = 4, dt_rank: int = 4) -> None:
+    """Keys and tensors as llama.cpp's src/models/mamba.cpp reads them (numpy shapes are
+    ggml's reversed); d_inner must be 2 * n_embd."""
+    d_inner = 2 * N_EMBD
+    for key, value in {"context_length": 4096, "embedding_length": N_EMBD,
+                       "block_count": n_layer, "ssm.conv_kernel": d_conv,
+                       "ssm.inner_size": d_inner, "ssm.state_size": d_state,
+                       "ssm.time_step_rank": dt_rank}.items():
+        w.add_uint32(f"mamba.{key}", value)
+    w.add_float32("mamba.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tensor("token_embd.weight", _random(rng, n_vocab, N_EMBD, scale=1.0))
+    w.add_tensor("output_norm.weight", _ones(N_EMBD))
+    for i in range(n_layer):
+        for name, tensor in {
+                "attn_norm.weight": _ones(N_EMBD),
+                "ssm_in.weight": _random(rng, 2 * d_inner, N_EMBD),
+                "ssm_conv1d.weight": _random(rng, d_inner, d_conv, scale=0.3),
+                "ssm_conv1d.bias": _random(rng, d_inner, scale=0.02),
+                "ssm_x.weight": _random(rng, dt_rank + 2 * d_state, d_inner),
+                "ssm_dt.weight": _random(rng, d_inner, dt_rank),
+                "ssm_dt.bias": _random(rng, d_inner, scale=0.1),
+                "ssm_a": -np.exp(_random(rng, d_inner, d_state, scale=0.5)),
+                "ssm_d": _ones(d_inner),
+                "ssm_out.weight": _random(rng, N_EMBD, d_inner)}.items():
+            w.add_tensor(f"blk.{i}.{name}", tensor)
+
+
+def _lfm2(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_ff: int = 128,
+          n_head: int = 4, layer_kv_heads: tuple[int, ...] = (0, 2, 0, 2),
+          l_cache: int = 3) -> None:
+    """Keys and tensors as llama.cpp's src/models/lfm2.cpp reads them: a layer with 0 KV heads
+    is a short-convolution (recurrent) one."""
+    head_dim = N_EMBD // n_head
+    for key, value in {"context_length": 4096, "embedding_length": N_EMBD,
+                       "block_count": len(layer_kv_heads), "feed_forward_length": n_ff,
+                       "attention.head_count": n_head, "shortconv.l_cache": l_cache}.items():
+        w.add_uint32(f"lfm2.{key}", value)
+    w.add_array("lfm2.attention.head_count_kv", list(layer_kv_heads))
+    w.add_float32("lfm2.rope.freq_base", 1e6)
+    w.add_float32("lfm2.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tensor("token_embd.weight", _random(rng, n_vocab, N_EMBD, scale=1.0))
+    w.add_tensor("token_embd_norm.weight", _ones(N_EMBD))
+    for i, kv_heads in enumerate(layer_kv_heads):
+        tensors = {"attn_norm.weight": _ones(N_EMBD), "ffn_norm.weight": _ones(N_EMBD),
+                   "ffn_gate.weight": _random(rng, n_ff, N_EMBD),
+                   "ffn_up.weight": _random(rng, n_ff, N_EMBD),
+                   "ffn_down.weight": _random(rng, N_EMBD, n_ff)}
+        if kv_heads:
+            tensors |= {"attn_q_norm.weight": _ones(head_dim),
+                        "attn_k_norm.weight": _ones(head_dim),
+                        "attn_q.weight": _random(rng, N_EMBD, N_EMBD),
+                        "attn_k.weight": _random(rng, kv_heads * head_dim, N_EMBD),
+                        "attn_v.weight": _random(rng, kv_heads * head_dim, N_EMBD),
+                        "attn_output.weight": _random(rng, N_EMBD, N_EMBD)}
+        else:
+            tensors |= {"shortconv.conv.weight": _random(rng, N_EMBD, l_cache, scale=0.3),
+                        "shortconv.in_proj.weight": _random(rng, 3 * N_EMBD, N_EMBD),
+                        "shortconv.out_proj.weight": _random(rng, N_EMBD, N_EMBD)}
+        for name, tensor in tensors.items():
+            w.add_tensor(f"blk.{i}.{name}", tensor)
