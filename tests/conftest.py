@@ -31,6 +31,36 @@ def serve(model_path: Path, *args: str):
     server.stop()
 
 
+def cached_and_uncached(model_path: Path, *args: str):
+    """Two gateways for a fixture's lifetime: with the prefix cache, and without it (the
+    reference)."""
+    servers = (GatewayProcess(model_path, *args),
+               GatewayProcess(model_path, *args, "--no-prefix-cache"))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def greedy_completion(server: GatewayProcess, prompt: str, max_tokens: int, logprobs: int):
+    """(text, top logprobs per token, usage) of a greedy completion."""
+    r = openai_client(server).completions.create(
+        model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        logprobs=logprobs)
+    return r.choices[0].text, r.choices[0].logprobs.top_logprobs, r.usage
+
+
+def across_a_restart(model_path: Path, args: tuple[str, ...], ask):
+    """What `ask(server)` gives from a gateway, and then from the same gateway started again."""
+    answers = []
+    for _ in range(2):
+        server = GatewayProcess(model_path, *args)
+        try:
+            answers.append(ask(server))
+        finally:
+            server.stop()
+    return answers
+
+
 @pytest.fixture(scope="session")
 def gateway(model_path: Path):
     """One real gateway on the default model, shared by the HTTP tests."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import openai_client
+from tests.conftest import across_a_restart, cached_and_uncached, greedy_completion
 from tests.tiny_models import tiny_model
 
 ARGS = ("--parallel", "4", "--ctx-size", "4096", "--no-flash-attn")
@@ -24,18 +24,11 @@ def text(n_words: int, seed: int) -> str:
 
 @pytest.fixture(scope="module", params=["mamba", "lfm2"])
 def gateways(request):
-    path = tiny_model(request.param)
-    servers = (GatewayProcess(path, *ARGS), GatewayProcess(path, *ARGS, "--no-prefix-cache"))
-    yield servers
-    for server in servers:
-        server.stop()
+    yield from cached_and_uncached(tiny_model(request.param), *ARGS)
 
 
 def complete(server: GatewayProcess, prompt: str, max_tokens: int = 12):
-    r = openai_client(server).completions.create(
-        model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-        logprobs=3)
-    return r.choices[0].text, r.choices[0].logprobs.top_logprobs, r.usage
+    return greedy_completion(server, prompt, max_tokens, logprobs=3)
 
 
 def computed(server: GatewayProcess) -> float:
@@ -91,16 +84,7 @@ def test_a_restart_keeps_the_states(tmp_path):
     path = tiny_model("lfm2")
     args = (*ARGS, "--cache-dir", str(tmp_path))
     prompt = text(200, 3)
-    first = GatewayProcess(path, *args)
-    try:
-        before = complete(first, prompt)
-    finally:
-        first.stop()
-    second = GatewayProcess(path, *args)
-    try:
-        after = complete(second, prompt)
-    finally:
-        second.stop()
+    before, after = across_a_restart(path, args, lambda server: complete(server, prompt))
     assert after[:2] == before[:2]
     usage = after[2]
     assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 2) // BLOCK * BLOCK

@@ -17,7 +17,12 @@ import pytest
 from cache.tokens import most_cached
 from gateway.model_store import GEMMA3_270M, model_path
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import openai_client
+from tests.conftest import (
+    across_a_restart,
+    cached_and_uncached,
+    greedy_completion,
+    openai_client,
+)
 
 ARGS = ("--parallel", "4", "--ctx-size", "8192", "--no-flash-attn")
 # About 1,100 tokens: more than two windows, so a hit must bring back window rows llama.cpp
@@ -33,19 +38,11 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_gateways(gemma_path):
-    servers = (GatewayProcess(gemma_path, *ARGS),
-               GatewayProcess(gemma_path, *ARGS, "--no-prefix-cache"))
-    yield servers
-    for server in servers:
-        server.stop()
+    yield from cached_and_uncached(gemma_path, *ARGS)
 
 
 def complete(server: GatewayProcess, prompt: str, max_tokens: int = 16):
-    r = openai_client(server).completions.create(
-        model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-        logprobs=5)
-    choice = r.choices[0]
-    return choice.text, choice.logprobs.top_logprobs, r.usage
+    return greedy_completion(server, prompt, max_tokens, logprobs=5)
 
 
 def chat(server: GatewayProcess, messages: list[dict], max_tokens: int = 24):
@@ -163,16 +160,7 @@ def test_concurrent_requests_share_a_prefix_and_its_window(gemma_gateways):
 def test_a_restart_keeps_the_sliding_window_prefixes(gemma_path, tmp_path):
     args = (*ARGS, "--cache-dir", str(tmp_path))
     prompt = SYSTEM + "\nAt dawn the keeper sees"
-    first = GatewayProcess(gemma_path, *args)
-    try:
-        before = complete(first, prompt)
-    finally:
-        first.stop()
-    second = GatewayProcess(gemma_path, *args)
-    try:
-        after = complete(second, prompt)
-    finally:
-        second.stop()
+    before, after = across_a_restart(gemma_path, args, lambda server: complete(server, prompt))
     assert after[2].prompt_tokens_details.cached_tokens == most_cached(after[2].prompt_tokens)
     assert after[:2] == before[:2]
 
