@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from engine.llama import Model
 from gateway.model_store import default_model_path
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import GatewayProcess, free_port
 
 # The default mode: F16 KV in one unified pool of cells, live prefixes shared between sequences.
 DEFAULT_ARGS = ("--parallel", "8", "--ctx-size", "8192")
@@ -104,3 +108,25 @@ def local_model(model_path: Path):
     model = Model(str(model_path))
     yield model
     model.close()
+
+
+@pytest.fixture
+def redis_url():
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make test installs it)"
+    port = free_port()
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url, server
+    server.kill()
+    server.wait()

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import across_a_restart, cached_and_uncached, greedy_completion
+from tests.conftest import (
+    across_a_restart,
+    cached_and_uncached,
+    greedy_completion,
+    openai_client,
+)
+from tests.test_redis_tier import tier, wait_stored
+from tests.test_workers import TWO_WORKERS, wait_for_health
 from tests.tiny_models import tiny_model
 
 ARGS = ("--parallel", "4", "--ctx-size", "4096", "--no-flash-attn")
@@ -88,3 +95,62 @@ def test_a_restart_keeps_the_states(tmp_path):
     assert after[:2] == before[:2]
     usage = after[2]
     assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 2) // BLOCK * BLOCK
+
+
+def test_a_state_one_worker_kept_is_loaded_by_the_other():
+    path = tiny_model("lfm2")
+    server = GatewayProcess(path, *TWO_WORKERS)
+    try:
+        wait_for_health(server, "ok")  # both workers: round-robin's order is then known
+        prefix = text(300, 4)
+        first = complete(server, prefix + " the first ending")
+        second = complete(server, prefix + " the first ending")
+        assert set(server.per_worker("prefixgate_routing_decisions_total").values()) == {1}
+        assert second[2].prompt_tokens_details.cached_tokens \
+            == (second[2].prompt_tokens - 2) // BLOCK * BLOCK
+        assert second[:2] == first[:2]
+        assert server.settled()["prefixgate_kv_pool_blocks_held"] == 0
+    finally:
+        server.stop()
+
+
+def test_a_state_one_gateway_kept_is_loaded_by_another_through_redis(redis_url):
+    url, _ = redis_url
+    path = tiny_model("mamba")
+    first = GatewayProcess(path, *ARGS, "--redis-url", url)
+    second = GatewayProcess(path, *ARGS, "--redis-url", url)
+    try:
+        prompt = text(300, 5)
+        cold = complete(first, prompt)
+        wait_stored(first, cold[2].prompt_tokens // BLOCK)
+        warm = complete(second, prompt)
+        assert warm[2].prompt_tokens_details.cached_tokens \
+            == (warm[2].prompt_tokens - 2) // BLOCK * BLOCK
+        assert tier(second, "hits")["redis"] == warm[2].prompt_tokens_details.cached_tokens
+        assert warm[:2] == cold[:2]
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_pinned_state_survives_a_flood(tmp_path):
+    """A pool of about 60 blocks: the pinned prompt's blocks and states stay while 12 other
+    prompts of 5 blocks each go through."""
+    path = tiny_model("lfm2")
+    server = GatewayProcess(path, *ARGS, "--cache-mb", "1", "--pin-budget-mb", "1")
+    try:
+        def ask(prompt: str, retention: str = "in_memory") -> int:
+            r = openai_client(server).completions.create(
+                model=server.model_name, prompt=prompt, max_tokens=4, temperature=0,
+                extra_body={"prompt_cache_retention": retention})
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        pinned = text(250, 6)
+        ask(pinned, "24h")
+        for seed in range(12):
+            ask(f"Flood {seed}: " + text(250, 7 + seed))
+        assert server.settled()["prefixgate_prefix_cache_evictions_total"] > 0
+        assert ask(pinned) > 200
+        assert ask("Flood 0: " + text(250, 7)) == 0  # evicted
+    finally:
+        server.stop()

@@ -4,42 +4,18 @@ going away costs a miss, not a failed or stalled request."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import openai
 import pytest
 import redis
 
-from loadtest.gateway_process import GatewayProcess, free_port
+from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DETERMINISTIC_ARGS, openai_client
 from tests.test_prefix_cache import ask, system_chat
 
 SYSTEM = "You are the pilot station's assistant in the archipelago of Åland. Be brief. " * 10
 QUESTION = "Where do the pilots board?"
-
-
-@pytest.fixture
-def redis_url():
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is not installed (make test installs it)"
-    port = free_port()
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url, server
-    server.kill()
-    server.wait()
 
 
 def tier(server: GatewayProcess, name: str) -> dict[str, float]:
