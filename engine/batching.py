@@ -22,6 +22,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from engine.messages import (
     Usage,
 )
 from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
+from engine.scheduler import Scheduler, StepCostFit
 from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -60,11 +62,8 @@ log = logging.getLogger(__name__)
 # token as soon as it alone is computed, at the same total. Only short ones are packed together,
 # where the fixed part would dominate.
 PACK_PROMPTS_BELOW = 64
-# Beside running decodes a step takes at most this many prompt tokens: every generating request
-# waits for the step, and a 512-token one takes ~1.8 s here. Prompts take a few more, shorter
-# steps (the fixed part is ~1% of a 128-token step). Chunks stay at 64 tokens or more, where
-# llama.cpp's CPU flash attention keeps one (tiled) kernel, as for the chunks computed alone.
-PROMPT_TOKENS_BESIDE_DECODES = 128
+# Beside running decodes a step takes as many prompt tokens as the target time between a
+# stream's tokens allows (engine/scheduler.py).
 
 
 class OutputSink(Protocol):
@@ -132,6 +131,7 @@ class Engine:
         self.ctx = Context(model, shape)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
+        self.scheduler = Scheduler(config.target_tpot_ms / 1000, StepCostFit())
         self._candidates = Candidates(model.n_vocab)
         # What a block of this context's KV looks like; None: nothing is cached.
         self.kv_layout = cacheable_layout(model, self.ctx, config.cache)
@@ -229,6 +229,7 @@ class Engine:
                 self._preempt_newest()
                 continue
             try:
+                started = time.perf_counter()
                 self.ctx.decode(self._batch)
                 break
             except KVCacheFull:
@@ -238,6 +239,7 @@ class Engine:
                 for seq in list(self._running):
                     self._finish(seq, Output(error=str(exc)))
                 return
+        n_decode = sum(1 for seq, _, _ in entries if seq.pending == 1)
         for seq, n_tokens, batch_index in entries:
             if seq.n_generated == 0:
                 self._computed_tokens += n_tokens
@@ -247,6 +249,9 @@ class Engine:
                 self._store_completed_blocks(seq, n_tokens)
             if batch_index is not None:
                 self._sample(seq, batch_index)
+        # The step as the running streams wait for it: decoding, sampling and storing.
+        self.scheduler.fit.observe(n_decode, sum(n for _, n, _ in entries) - n_decode,
+                                   time.perf_counter() - started)
 
     def _store_completed_blocks(self, seq: _Sequence, n_tokens: int) -> None:
         """Stores the blocks the step completed, while all their KV is still in the context."""
@@ -379,9 +384,7 @@ class Engine:
             victim = self._preempt_newest()
             decoding = [seq for seq in decoding if seq is not victim]
         plan = [(seq, seq.tokens[-1:]) for seq in decoding]
-        budget = self._batch.capacity - len(plan)
-        if decoding:  # they wait for the step: keep it short (TPOT) while prompts are computed
-            budget = min(budget, PROMPT_TOKENS_BESIDE_DECODES)
+        budget = self.scheduler.prompt_budget(len(plan), self._batch.capacity)
         if self.unified:
             budget = min(budget, self.cells.free - len(plan))
         prompt_tokens = 0

@@ -45,6 +45,9 @@ class EngineConfig:
     flash_attn: bool = True  # default mode only: the deterministic mode always uses it
     deterministic: bool = False
     swa_full: bool = False  # see ContextShape.swa_full; README, "How it works", says why not
+    # The time between a running stream's tokens that prompt chunks beside it may stretch a
+    # step to (engine/scheduler.py).
+    target_tpot_ms: float = 250
     cache: CacheConfig = CacheConfig()
 
     def context_shape(self) -> ContextShape:

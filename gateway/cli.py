@@ -90,6 +90,10 @@ def _engine(p: argparse._ArgumentGroup) -> None:
                         "layers for every position, as llama.cpp's library default, instead of "
                         "each sequence's last window, as llama-server's default. More memory "
                         "(Gemma 3: 6x), and no more prefix hits: blocks keep the window")
+    p.add_argument("--target-tpot-ms", type=float, default=EngineConfig.target_tpot_ms,
+                   help="the time between a running stream's tokens that prompts computed "
+                        "beside it may stretch a step to: lower gives smoother streams, higher "
+                        "sooner first tokens for waiting requests (default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of each worker's llama.cpp context")
 
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                           batch_tokens=args.batch_tokens, threads=args.threads,
                           kv_type=args.kv_type, flash_attn=args.flash_attn == "on",
                           deterministic=args.deterministic, swa_full=args.swa_full,
+                          target_tpot_ms=args.target_tpot_ms,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
                                             budget_mb=args.cache_mb, block_size=args.block_size))
     config = ServerConfig(

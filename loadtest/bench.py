@@ -116,22 +116,37 @@ def _round_up(value: float, step: int) -> int:
     return math.ceil(value / step) * step
 
 
+def gateway_system(name: str, model: Path, threads: int, parallel: int, cells: int,
+                   *flags: str) -> System:
+    return System(name, [sys.executable, "-m", "gateway", "--model", str(model), "--threads",
+                         str(threads), "--parallel", str(parallel), "--ctx-size", str(cells),
+                         "--port", "{port}", *flags],
+                  "/health", {"ignore_eos": True}, kv_cells=cells)
+
+
+def llama_server_system(binary: Path, model: Path, threads: int, parallel: int,
+                        cells: int) -> System:
+    """llama-server with its defaults but for one unified pool of `cells` for `parallel` slots
+    and the prompt cache's RAM, as the benchmarks compare with it."""
+    server = System("llama-server", [
+        str(binary), "-m", str(model), "-t", str(threads), "-np", str(parallel), "-kvu",
+        "--port", "{port}", "--host", "127.0.0.1", "-c", str(cells), "--cache-ram", "8192"],
+        "/health", {"ignore_eos": True}, kv_cells=cells)
+    if not binary.exists():
+        server.missing = f"{binary} not built (loadtest/build_llama_server.sh)"
+    return server
+
+
 def systems(settings: Settings, llama_server: Path, eog_tokens: list[int],
             layout: Layout) -> dict[str, System]:
-    m, t, n = str(settings.model), str(settings.threads), str(layout.parallel)
+    m, t = str(settings.model), str(settings.threads)
 
     def gateway(name: str, cells: int, *flags: str) -> System:
-        return System(name, [sys.executable, "-m", "gateway", "--model", m, "--threads", t,
-                             "--parallel", n, "--ctx-size", str(cells), "--port", "{port}",
-                             *settings.gateway_args, *flags],
-                      "/health", {"ignore_eos": True}, kv_cells=cells)
+        return gateway_system(name, settings.model, settings.threads, layout.parallel, cells,
+                              *settings.gateway_args, *flags)
 
-    server = System("llama-server", [
-        str(llama_server), "-m", m, "-t", t, "-np", n, "-kvu", "--port", "{port}",
-        "--host", "127.0.0.1", "-c", str(layout.private_cells), "--cache-ram", "8192"],
-        "/health", {"ignore_eos": True}, kv_cells=layout.private_cells)
-    if not llama_server.exists():
-        server.missing = f"{llama_server} not built (loadtest/build_llama_server.sh)"
+    server = llama_server_system(llama_server, settings.model, settings.threads,
+                                 layout.parallel, layout.private_cells)
     n_ctx = layout.private_cells // layout.parallel  # it serves one sequence
     python_server = System("llama-cpp-python", [
         sys.executable, "-m", "llama_cpp.server", "--model", m, "--n_threads", t,

@@ -16,13 +16,18 @@ import argparse
 import asyncio
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
 from engine.llama import Model
 from gateway.model_store import GEMMA3_270M, model_path
-from loadtest.bench import RunningServer, System, run_workload
+from loadtest.bench import (
+    RunningServer,
+    System,
+    gateway_system,
+    llama_server_system,
+    run_workload,
+)
 from loadtest.gateway_process import ROOT
 from loadtest.stats import summarize
 from loadtest.workloads import TextMaker, many_streams, multi_turn, shared_prefix
@@ -32,18 +37,10 @@ SYSTEM_TOKENS, TURNS, TURN_TOKENS = 1900, 4, 48  # the chat measured in issue 30
 
 
 def configurations(model: Path, threads: int, llama_server: Path) -> list[System]:
-    m, t, n, c = str(model), str(threads), str(PARALLEL), str(CELLS)
-    gateway = [sys.executable, "-m", "gateway", "--model", m, "--threads", t, "--parallel", n,
-               "--ctx-size", c, "--port", "{port}"]
-    server = System("llama-server", [
-        str(llama_server), "-m", m, "-t", t, "-np", n, "-kvu", "--port", "{port}",
-        "--host", "127.0.0.1", "-c", c], "/health", {"ignore_eos": True}, kv_cells=CELLS)
-    if not llama_server.exists():
-        server.missing = f"{llama_server} not built (loadtest/build_llama_server.sh)"
-    return [System("prefixgate", gateway, "/health", {"ignore_eos": True}, kv_cells=CELLS),
-            System("prefixgate --swa-full", [*gateway, "--swa-full"], "/health",
-                   {"ignore_eos": True}, kv_cells=CELLS),
-            server]
+    return [gateway_system("prefixgate", model, threads, PARALLEL, CELLS),
+            gateway_system("prefixgate --swa-full", model, threads, PARALLEL, CELLS,
+                           "--swa-full"),
+            llama_server_system(llama_server, model, threads, PARALLEL, CELLS)]
 
 
 def kv_buffers(log: str) -> str:

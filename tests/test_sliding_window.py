@@ -25,7 +25,7 @@ from tests.conftest import (
 )
 
 ARGS = ("--parallel", "4", "--ctx-size", "8192", "--no-flash-attn")
-# About 1,100 tokens: more than two windows, so a hit must bring back window rows llama.cpp
+# About 1,150 tokens: more than two windows, so a hit must bring back window rows llama.cpp
 # had dropped from the sequence that computed them.
 SYSTEM = " ".join(f"Rule {i}: a lighthouse keeper logs the weather at hour {i % 24} and notes "
                   f"ship number {i * 7}." for i in range(48))
@@ -167,16 +167,16 @@ def test_a_restart_keeps_the_sliding_window_prefixes(gemma_path, tmp_path):
 
 def test_eviction_keeps_the_pool_within_its_budget(gemma_path):
     """Blocks of a sliding-window model are 6x the size of its full layers' alone (1.1 MiB per
-    64 tokens): a 24 MiB pool holds 21, not two of these prompts."""
-    server = GatewayProcess(gemma_path, *ARGS, "--cache-mb", "24")
+    64 tokens): a 12 MiB pool holds 10, not two of these 7-block prompts."""
+    server = GatewayProcess(gemma_path, *ARGS, "--cache-mb", "12")
     try:
-        prompts = [f"{topic} matter to people for many reasons. " * 100
+        prompts = [f"{topic} matter to people for many reasons. " * 55
                    for topic in ["Apples", "Bridges", "Clouds"]]
         for prompt in prompts:
             complete(server, prompt, max_tokens=4)
         metrics = server.settled()
         assert metrics["prefixgate_prefix_cache_evictions_total"] > 0
-        assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 24 << 20
+        assert metrics["prefixgate_kv_pool_bytes_capacity"] <= 12 << 20
         usage = complete(server, prompts[-1], max_tokens=4)[2]
         assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
         assert complete(server, prompts[0], max_tokens=4)[2] \

@@ -1,0 +1,106 @@
+"""The step budget (engine/scheduler.py): the step cost fit, the budget's bounds, and a
+closed-loop run of 8 clients on a simulated CPU whose steps cost what the fit assumes. The run
+is the fake engine: each step decodes every generating sequence and computes prompt chunks in
+arrival order within the budget, as engine/batching.py plans it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.scheduler import MIN_PROMPT_TOKENS, PRIOR, Scheduler, StepCost, StepCostFit
+
+TRUE_COST = StepCost(fixed=0.010, per_decode=0.003, per_prompt=0.002)
+
+
+def test_the_fit_finds_a_linear_cost_through_noise():
+    fit = StepCostFit()
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        n_decode, n_prompt = int(rng.integers(0, 9)), int(rng.choice([0, 16, 64, 128, 512]))
+        noise = rng.normal(1, 0.05)
+        fit.observe(n_decode, n_prompt, TRUE_COST.seconds(n_decode, n_prompt) * noise)
+    assert fit.cost.fixed == pytest.approx(TRUE_COST.fixed, rel=0.2)
+    assert fit.cost.per_decode == pytest.approx(TRUE_COST.per_decode, rel=0.1)
+    assert fit.cost.per_prompt == pytest.approx(TRUE_COST.per_prompt, rel=0.05)
+
+
+def test_the_fit_starts_from_the_prior_and_never_goes_negative():
+    fit = StepCostFit()
+    assert fit.cost == PRIOR
+    for _ in range(50):  # decode-only steps whose time does not grow with their size
+        fit.observe(8, 0, 0.001)
+    assert fit.cost.per_decode > 0 and fit.cost.per_prompt > 0 and fit.cost.fixed >= 0
+
+
+@pytest.mark.parametrize("target", [0.0, 0.05, 0.15, 1.0])
+def test_the_budget_keeps_steps_within_the_target_and_prompts_moving(target):
+    scheduler = Scheduler(target, StepCostFit())
+    scheduler.fit.cost = TRUE_COST
+    assert scheduler.prompt_budget(0, 512) == 512  # nobody waits: the whole batch
+    for n_decode in range(1, 9):
+        budget = scheduler.prompt_budget(n_decode, 512)
+        assert MIN_PROMPT_TOKENS <= budget <= 512 - n_decode  # no prompt starves
+        if budget > MIN_PROMPT_TOKENS:
+            assert TRUE_COST.seconds(n_decode, budget) <= target + 1e-9
+            assert budget == 512 - n_decode or \
+                TRUE_COST.seconds(n_decode, budget + 1) > target
+
+
+def closed_loop(target: float, clients: int = 8, requests: int = 24, prompt: int = 300,
+                output: int = 24) -> dict:
+    """Clients that each send a request when their last one ends, on the simulated CPU."""
+    scheduler = Scheduler(target, StepCostFit())
+    now, started, done, steps = 0.0, 0, [], 0
+    running: list[dict] = []
+    waits: list[tuple[float, float]] = []
+    while started < requests or running:
+        while started < requests and len(running) < clients:
+            running.append({"arrived": now, "left": prompt, "tokens": 0})
+            started += 1
+        decoding = [r for r in running if r["left"] == 0]
+        budget = scheduler.prompt_budget(len(decoding), 512)
+        chunks, packed = [], 0
+        for r in running:
+            if r["left"] and budget > 0 and packed < 64:
+                n = min(r["left"], budget)
+                chunks.append((r, n))
+                budget, packed = budget - n, packed + n
+        n_prompt = sum(n for _, n in chunks)
+        seconds = TRUE_COST.seconds(len(decoding), n_prompt)
+        scheduler.fit.observe(len(decoding), n_prompt, seconds)
+        if decoding:  # what the streams waited, and the least a step with them can take
+            waits.append((seconds, TRUE_COST.seconds(len(decoding), MIN_PROMPT_TOKENS)))
+        now, steps = now + seconds, steps + 1
+        for r, n in chunks:
+            r["left"] -= n
+            if not r["left"]:
+                r["first"], r["tokens"] = now, 1
+        for r in decoding:
+            r["tokens"] += 1
+        for r in [r for r in running if r["tokens"] >= output]:
+            r["end"] = now
+            running.remove(r)
+            done.append(r)
+    return {"done": done, "wall": now, "waits": waits}
+
+
+@pytest.mark.parametrize("target", [0.05, 0.1, 0.3])
+def test_streams_wait_at_most_the_target_and_every_prompt_finishes(target):
+    """Once the fit has learnt the CPU (it starts from another model's prior), a step beside
+    running streams takes at most the target, or the least it can with prompts still moving."""
+    run = closed_loop(target)
+    assert len(run["done"]) == 24  # no prompt starved
+    for seconds, least in run["waits"][20:]:
+        assert seconds <= max(target, least) * 1.02
+
+
+def test_a_tighter_target_trades_first_tokens_for_smoother_streams():
+    def medians(target):
+        done = closed_loop(target)["done"]
+        return (float(np.median([r["first"] - r["arrived"] for r in done])),
+                float(np.median([(r["end"] - r["first"]) / 23 for r in done])))
+
+    tight, loose = medians(0.06), medians(0.6)
+    assert tight[1] < loose[1]  # TPOT
+    assert tight[0] > loose[0]  # TTFT
