@@ -11,8 +11,10 @@ COMPUTED_TAIL = 2
 # Cached KV is resumed at a multiple of this many positions. llama.cpp's CPU matmuls on repacked
 # weights (Q4_K, Q4_0, IQ4_NL: the common quantizations) take a batch's rows four at a time and
 # the rows left over one by one, which round differently. A prompt's chunks start at multiples
-# of four, so a tail that starts at one too groups its rows as the whole prompt did (measured on
-# Gemma 3's Q4_K: a tail begun 3 positions off a multiple of four changed the logits by 0.7).
+# of four, so a tail that starts at one too groups its rows as the whole prompt did. Measured on
+# Gemma 3's Q4_K, with no cache at all: a 1,162-token prompt cut 3 positions off a multiple of
+# four changed the logits by 0.7, cut on one by 0.0. Not every aligned cut matches, though
+# (docs/sliding-window-and-recurrent.md): other kernels round some tail shapes differently too.
 RESUME_ALIGNMENT = 4
 
 
