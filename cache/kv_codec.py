@@ -35,6 +35,12 @@ import xxhash
 
 MAGIC = 0xAF143CD8
 _CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+# A resumed sequence's window rows load from a multiple of this many positions (the extra ones
+# are masked). Loaded into a cleared context they then sit at the same cell offsets, modulo 64,
+# as a cold prefill's, and llama.cpp's vectorised attention sums them in the same groups:
+# loaded from the window's exact start, Gemma 3's logits differed by 0.75 at one prompt length
+# of ten (docs/sliding-window-and-recurrent.md).
+WINDOW_ALIGNMENT = 64
 _BLOCK_HEADER = struct.Struct("<III")  # n_tokens, first position, holds a recurrent state
 
 
@@ -93,9 +99,10 @@ class KVLayout:
         return _BLOCK_HEADER.size + block_size * self.bytes_per_token + self.state_bytes
 
     def window_start(self, end: int) -> int:
-        """The first position whose window rows a sequence resumed at `end` needs (a superset
-        for chunked windows, whose start is a multiple of n_swa at or after it)."""
-        return max(0, end - self.window)
+        """The first position whose window rows a sequence resumed at `end` loads: the last
+        n_swa positions (a superset for chunked windows, whose start is a multiple of n_swa at
+        or after it), from a multiple of WINDOW_ALIGNMENT."""
+        return max(0, end - self.window) // WINDOW_ALIGNMENT * WINDOW_ALIGNMENT
 
     def fingerprint(self, model_id: str) -> str:
         """Blocks are only ever read by a process whose model and KV types give the same value.

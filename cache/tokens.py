@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-# A new prompt keeps its last two tokens to compute: llama.cpp's CPU matmuls take another kernel
-# for a one-token batch (sgemm serves two or more), so a one-token tail would round differently
-# from the prompt computed whole.
-COMPUTED_TAIL = 2
+# A new prompt keeps its last 8 tokens to compute: llama.cpp's CPU matmuls take other kernels
+# for small batches (a one-token batch takes vec_dot, where sgemm serves two or more), which
+# round differently from the prompt computed whole. On Gemma 3's Q4_K, tails of 2-7 rows did at
+# some prompt lengths; from 8 rows (at a multiple of four, below) none of ten lengths did.
+COMPUTED_TAIL = 8
 # Cached KV is resumed at a multiple of this many positions. llama.cpp's CPU matmuls on repacked
 # weights (Q4_K, Q4_0, IQ4_NL: the common quantizations) take a batch's rows four at a time and
 # the rows left over one by one, which round differently. A prompt's chunks start at multiples
-# of four, so a tail that starts at one too groups its rows as the whole prompt did. Measured on
-# Gemma 3's Q4_K, with no cache at all: a 1,162-token prompt cut 3 positions off a multiple of
-# four changed the logits by 0.7, cut on one by 0.0. Not every aligned cut matches, though
-# (docs/sliding-window-and-recurrent.md): other kernels round some tail shapes differently too.
+# of four, so a tail that starts at one too groups its rows as the whole prompt did (Gemma 3's
+# Q4_K, with no cache at all: a prompt cut 3 positions off a multiple of four changed the logits
+# by 0.7, cut on one by 0.0).
 RESUME_ALIGNMENT = 4
 
 

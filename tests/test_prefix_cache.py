@@ -65,7 +65,7 @@ def test_repeated_and_shared_prompts_match_uncached(clients, model_name):
     assert usage.prompt_tokens_details.cached_tokens < 8  # cold: the chat template's opening
     again, usage = ask(client, model_name, first)
     assert again == text
-    # All but the last two tokens, rounded down to a resume point: see cache/tokens.py.
+    # All but the last eight tokens, rounded down to a resume point: see cache/tokens.py.
     assert usage.prompt_tokens_details.cached_tokens == most_cached(usage.prompt_tokens)
     for question in ["Do you sell used books?", "What happens on Thursdays?"]:
         warm, usage = ask(client, model_name, system_chat(question))

@@ -43,10 +43,10 @@ FA_TILE_ROWS = 64  # llama.cpp's CPU flash attention is tiled from this many que
 
 
 def exact_when_cached(mode: str, n_prompt: int) -> bool:
-    """A cached prompt's last two tokens are computed as a two-row batch. Without flash
-    attention every kernel gives a row the same sums in any batch of two rows or more. With it,
-    attention takes a tiled kernel for 64 query rows or more and a row-by-row one below, so the
-    two rows match llama-cpp-python's only when its last prefill chunk is also under 64."""
+    """A cached prompt's last 8-11 tokens are computed as one small batch. Without flash
+    attention SmolLM2's kernels give a row the same sums in any batch of two rows or more. With
+    it, attention takes a tiled kernel for 64 query rows or more and a row-by-row one below, so
+    the tail's rows match llama-cpp-python's only when its last prefill chunk is also under 64."""
     return not MODES[mode][1] or (n_prompt - 1) % N_BATCH + 1 < FA_TILE_ROWS
 
 

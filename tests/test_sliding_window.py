@@ -27,8 +27,12 @@ from tests.conftest import (
 ARGS = ("--parallel", "4", "--ctx-size", "8192", "--no-flash-attn")
 # About 1,150 tokens: more than two windows, so a hit must bring back window rows llama.cpp
 # had dropped from the sequence that computed them.
-SYSTEM = " ".join(f"Rule {i}: a lighthouse keeper logs the weather at hour {i % 24} and notes "
-                  f"ship number {i * 7}." for i in range(48))
+def rules(n: int) -> str:
+    return " ".join(f"Rule {i}: a lighthouse keeper logs the weather at hour {i % 24} and notes "
+                    f"ship number {i * 7}." for i in range(n))
+
+
+SYSTEM = rules(48)
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +102,16 @@ def test_the_model_without_a_template_gets_llama_cpps_gemma_template(gemma_gatew
     assert "im_end" not in text and "im_start" not in text
 
 
-def test_a_hit_past_the_window_continues_like_a_cold_prefill(gemma_gateways):
+@pytest.mark.parametrize("n_rules", [48, 36])  # 36: a window that once loaded off by 0.75
+def test_a_hit_past_the_window_continues_like_a_cold_prefill(gemma_gateways, n_rules):
     cached, uncached = gemma_gateways
-    first = complete(cached, SYSTEM + "\nToday the keeper writes:")
-    assert first[2].prompt_tokens > 1000
-    assert first[:2] == complete(uncached, SYSTEM + "\nToday the keeper writes:")[:2]
-    for ending in ["\nThe storm log for Tuesday reads:", "\nShip 49 arrives and"]:
-        warm = complete(cached, SYSTEM + ending)
-        cold = complete(uncached, SYSTEM + ending)
+    system = rules(n_rules)
+    first = complete(cached, system + "\nToday the keeper writes:")
+    assert first[2].prompt_tokens > 800
+    assert first[:2] == complete(uncached, system + "\nToday the keeper writes:")[:2]
+    for ending in ["\nThe storm log for Tuesday reads:", "\nAt dawn the keeper sees"]:
+        warm = complete(cached, system + ending)
+        cold = complete(uncached, system + ending)
         assert warm[2].prompt_tokens_details.cached_tokens > 0.9 * warm[2].prompt_tokens
         assert cold[2].prompt_tokens_details.cached_tokens == 0
         assert warm[:2] == cold[:2]  # the text, and every top-5 logprob, bit for bit
