@@ -54,12 +54,12 @@ class StepCostFit:
     def __init__(self, prior: StepCost = PRIOR, half_life: int = 200,
                  prior_steps: float = 4.0) -> None:
         self._decay = 0.5 ** (1 / half_life)
-        self._prior = np.array([prior.fixed, prior.per_decode, prior.per_prompt])
+        coefficients = np.array([prior.fixed, prior.per_decode, prior.per_prompt])
         # The prior as pseudo-observations: one per coefficient, at typical step shapes.
         shapes = np.array([[1.0, 1, 0], [1.0, 8, 0], [1.0, 1, 128]])
         weight = prior_steps / len(shapes)
         self._xtx = weight * shapes.T @ shapes
-        self._xty = weight * shapes.T @ (shapes @ self._prior)
+        self._xty = weight * shapes.T @ (shapes @ coefficients)
         self.cost = prior
 
     def observe(self, n_decode: int, n_prompt: int, seconds: float) -> None:
