@@ -43,10 +43,11 @@ $(AGENTS)/.installed: Makefile
 	touch $@
 
 # What the tests run besides Python: a real redis-server, docker-compose to validate
-# compose.yaml, and headless Chromium with its driver for the cache page. Installed with apt
-# when missing (as root, on Debian or Ubuntu): command -> the package that provides it.
+# compose.yaml, headless Chromium with its driver for the cache page, and Prometheus (with
+# promtool) to scrape a gateway for the dashboard's queries and check the config. Installed
+# with apt when missing (as root, on Debian or Ubuntu): command -> the package that provides it.
 SYSTEM_DEPS := redis-server:redis-server docker-compose:docker-compose chromium:chromium \
-	chromedriver:chromium-driver
+	chromedriver:chromium-driver prometheus:prometheus promtool:prometheus
 system-deps:
 	@missing=""; for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || \
 		missing="$$missing $${pair##*:}"; done; \

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tomllib
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.cli import build_parser
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
+from tests.dashboards import dashboard_queries, walk
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -503,26 +503,6 @@ def test_prometheus_and_grafana_point_at_their_services() -> None:
 
 # ---- the dashboard against a live scrape -------------------------------------------------------
 
-def walk(node: Any) -> Iterator[Any]:
-    yield node
-    if isinstance(node, dict):
-        for value in node.values():
-            yield from walk(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from walk(value)
-
-
-def dashboard_queries() -> list[str]:
-    """Every PromQL expression of the dashboard: panel targets and template variable queries."""
-    out = []
-    for node in walk(json.loads(DASHBOARD.read_text())):
-        if isinstance(node, dict):
-            out += [v for k, v in node.items()
-                    if k in {"expr", "query", "definition"} and isinstance(v, str)]
-    return out
-
-
 REQUIRED_PANELS = {
     "prefixgate_time_to_first_token_seconds_bucket",
     "prefixgate_inter_token_latency_seconds_bucket",
@@ -559,7 +539,7 @@ def test_dashboard_queries_exported_metrics(gateway: GatewayProcess) -> None:
         pass
     samples, types = scrape(gateway)
 
-    queries = dashboard_queries()
+    queries = dashboard_queries(DASHBOARD)
     used = {m.group(1) for q in queries for m in METRIC.finditer(q)}
     assert used >= REQUIRED_PANELS, f"no panel for {sorted(REQUIRED_PANELS - used)}"
     for query in queries:

@@ -1,0 +1,116 @@
+"""The monitoring files against real parts: a real Prometheus scrapes a real gateway (with its
+Redis tier) through deploy/prometheus/prometheus.yml, and every query of every Grafana panel is
+evaluated through Prometheus's HTTP API as Grafana would send it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import DEFAULT_ARGS, openai_client
+from tests.dashboards import (
+    dashboard_files,
+    dashboard_queries,
+    multi_value,
+    panel_queries,
+    rate_interval,
+    substitute,
+)
+from tests.prometheus import CONFIG, JOB, Prometheus, binary, has_data
+from tests.test_cache_controls import ADMIN, admin
+from tests.test_prefix_cache import ask, system_chat
+from tests.test_redis_tier import tier, wait_stored
+
+SCRAPE_SECONDS = 1  # the repo's 5 s, shortened so that a few seconds of traffic fill the panels
+# Grafana's $__interval is the time range over the panel's data points (its width in pixels),
+# never below the datasource's scrape interval: for a minute of data, the scrape interval.
+MAX_DATA_POINTS = 1000
+SYSTEM = "You keep the ferry timetable of the northern islands and answer in one line. " * 8
+VARIABLE_QUERY = re.compile(r"label_values\((\w+),\s*(\w+)\)")
+
+
+@pytest.fixture
+def monitored(redis_url, model_path, tmp_path):
+    """A gateway with the Redis tier and the admin API, and a Prometheus scraping it."""
+    url, _ = redis_url
+    gateway = GatewayProcess(model_path, *DEFAULT_ARGS, "--redis-url", url, "--admin-key", ADMIN)
+    try:
+        prometheus = Prometheus(tmp_path / "prometheus", f"127.0.0.1:{gateway.port}",
+                                f"{SCRAPE_SECONDS}s")
+        try:
+            prometheus.wait_for(f'up{{job="{JOB}"}}', 1)
+            yield gateway, prometheus
+        finally:
+            prometheus.stop()
+    finally:
+        gateway.stop()
+
+
+def traffic(gateway: GatewayProcess) -> None:
+    """What lights every panel: streamed answers (latencies), two requests on one new prefix at
+    once (pool and live sharing), and the same prefix again after the local pool was dropped, so
+    that it comes back from Redis."""
+    client = openai_client(gateway)
+    questions = ["When does the first ferry leave?", "Is there a night ferry?"]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        usages = [u for _, u in pool.map(
+            lambda q: ask(client, gateway.model_name, system_chat(q, SYSTEM)), questions)]
+    for chunk in client.completions.create(model=gateway.model_name, stream=True, max_tokens=8,
+                                           prompt="The harbour master's log, day one:"):
+        assert chunk.choices
+    wait_stored(gateway, usages[0].prompt_tokens // 64)
+    assert admin(gateway, "DELETE", "/v1/cache/prefixes")[1]["dropped_blocks"] > 0
+    _, usage = ask(client, gateway.model_name, system_chat("And on Sundays?", SYSTEM))
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert tier(gateway, "hits")["redis"] > 0
+
+
+def instance_selections(prometheus: Prometheus, queries: list[str]) -> dict[str, str]:
+    """The `instance` variable's values as Grafana fills it in: the dashboard's default, All
+    (its allValue), and the one instance its own label_values query lists."""
+    (metric, label), = {VARIABLE_QUERY.search(q).groups() for q in queries
+                        if VARIABLE_QUERY.search(q)}
+    listed = prometheus.api(f"label/{label}/values", **{"match[]": metric})
+    assert len(listed) == 1, listed
+    return {"All": ".*", listed[0]: multi_value(listed)}
+
+
+def test_every_panel_query_returns_data(monitored) -> None:
+    gateway, prometheus = monitored
+    start = time.time()
+    traffic(gateway)
+    finished = gateway.wait_idle()["prefixgate_generation_tokens_total"]
+    prometheus.wait_for("sum(prefixgate_generation_tokens_total)", finished)
+    end = time.time()
+    interval = max(SCRAPE_SECONDS, (end - start) / MAX_DATA_POINTS)
+    variables = {"__rate_interval": f"{rate_interval(interval, SCRAPE_SECONDS):g}s",
+                 "__interval": f"{interval:g}s"}
+
+    queries, empty = [], []
+    for dashboard in dashboard_files():
+        selections = instance_selections(prometheus, dashboard_queries(dashboard))
+        for query in panel_queries(dashboard):
+            queries.append(query)
+            for selection, value in selections.items():
+                expr = substitute(query.expr, {**variables, "instance": value})
+                result = prometheus.api("query_range", query=expr, start=start, end=end,
+                                        step=interval)
+                if not has_data(result):
+                    empty.append((query, f"{query.dashboard} {query.panel!r} {query.ref_id} "
+                                         f"(instance {selection}): {expr}"))
+    answered = len(queries) - len({query for query, _ in empty})
+    print(f"\n{answered} of {len(queries)} panel queries returned data "
+          f"(instance {' and '.join(selections)})")
+    assert queries and not empty, "\n".join(line for _, line in empty)
+
+
+def test_promtool_checks_the_config() -> None:
+    """The config as shipped (with the rule files it loads), by Prometheus's own checker."""
+    result = subprocess.run([binary("promtool"), "check", "config", str(CONFIG)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
