@@ -119,7 +119,7 @@ class RedisTier:
                     self._queue.put(None)  # finish this batch, then stop
                     break
                 batch.append(item)
-            if self._skipping():
+            if self.skipping():
                 continue
             try:
                 with self._writes.pipeline(transaction=False) as pipe:
@@ -135,7 +135,7 @@ class RedisTier:
     def fetch(self, block_keys: list[bytes], chunks: list[np.ndarray]) -> list[bytes]:
         """The bytes of the blocks, in order, up to the first one Redis lacks or that does not
         verify (its tokens must be `chunks[i]`)."""
-        if not block_keys or self._skipping():
+        if not block_keys or self.skipping():
             return []
         try:
             keys = [self.key(k) for k in block_keys]
@@ -183,7 +183,8 @@ class RedisTier:
 
     # ----- the breaker --------------------------------------------------------------------
 
-    def _skipping(self) -> bool:
+    def skipping(self) -> bool:
+        """Whether the breaker is open: the tier is left alone after repeated failures."""
         with self._lock:
             return time.monotonic() < self._skip_until
 

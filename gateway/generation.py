@@ -218,16 +218,17 @@ def admit(request: web.Request) -> None:
     """The key's rate limit, before any work on the request (rendering, tokenizing, grammars)."""
     gateway: Gateway = request.app["gateway"]
     if gateway.rate_limiter is not None and request["key"] is not None:
-        _refuse_for(gateway.rate_limiter.admit(request["key"]))
+        _refuse_for(gateway, gateway.rate_limiter.admit(request["key"]))
 
 
 def admit_prompt(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
     if gateway.rate_limiter is not None and key is not None:
-        _refuse_for(gateway.rate_limiter.admit_prompt(key, prompt_tokens))
+        _refuse_for(gateway, gateway.rate_limiter.admit_prompt(key, prompt_tokens))
 
 
-def _refuse_for(wait: int | None) -> None:
+def _refuse_for(gateway: Gateway, wait: int | None) -> None:
     if wait is not None:
+        gateway.metrics.refused.labels("rate_limit").inc()
         raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
                             f"reached; retry in {wait} s", code="rate_limit_exceeded",
                        headers={"Retry-After": str(wait)})
@@ -253,6 +254,7 @@ def _submit(gateway: Gateway, generations: list[GenerationRequest],
     try:
         return gateway.workers.submit_group(generations, cache_key)
     except Overloaded as exc:
+        gateway.metrics.refused.labels("capacity").inc()
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
                        code="rate_limit_exceeded",
                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None

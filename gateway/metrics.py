@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gateway.shared_pool import TierHits
     from gateway.supervisor import Workers, WorkerView
 
+REFUSAL_REASONS = ("capacity", "rate_limit")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
@@ -47,6 +48,15 @@ class Metrics:
                                          "Completion tokens generated", registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.responses = Counter("prefixgate_http_responses",
+                                 "Responses by HTTP status (/health and /metrics left out)",
+                                 ["code"], registry=r)
+        self.refused = Counter("prefixgate_requests_refused",
+                               "Requests refused with a 429: the queue was full (capacity) or "
+                               "the key's rate limit was reached (rate_limit)", ["reason"],
+                               registry=r)
+        for reason in REFUSAL_REASONS:  # a series from the start, so rate() sees the first one
+            self.refused.labels(reason)
         self.hosted_tools_left_out = Counter(
             "prefixgate_responses_hosted_tools_left_out",
             "Hosted tools (web_search, ...) a /v1/responses request offered, which cannot run "
@@ -117,7 +127,7 @@ class _EngineCollector(Collector):
         if pool is None:
             return
         yield from _cache_counters([s.cache for s in snaps if s.cache is not None])
-        yield from _tiers(workers.tier_hits(), pool.tier_stats())
+        yield from _tiers(workers.tier_hits(), pool.tier_stats(), pool.tier_skipping())
         yield from _pool(pool.index.snapshot(), pool.index.block_size,
                          pool.arena.header.slot_bytes)
 
@@ -160,7 +170,7 @@ def _cache_counters(stats: list[CacheStats]):
         yield CounterMetricFamily(name, help_text, value=cache_total(field))
 
 
-def _tiers(hits: TierHits, tier: TierStats):
+def _tiers(hits: TierHits, tier: TierStats, skipping: bool):
     """Per cache tier: what it served, stored, failed at and dropped."""
     served = CounterMetricFamily("prefixgate_prefix_cache_tier_hits",
                                  "Prompt tokens served from each cache tier instead of computed",
@@ -183,6 +193,11 @@ def _tiers(hits: TierHits, tier: TierStats):
                                   labels=["tier"])
     dropped.add_metric(["redis"], tier.dropped_blocks)
     yield dropped
+    breaker = GaugeMetricFamily("prefixgate_prefix_cache_tier_breaker_open",
+                                "1 while a tier is skipped after repeated failures (its circuit "
+                                "breaker is open)", labels=["tier"])
+    breaker.add_metric(["redis"], int(skipping))
+    yield breaker
 
 
 def _pool(snap: IndexSnapshot, block_size: int, slot_bytes: int):
@@ -258,6 +273,9 @@ def _per_worker(views: list[WorkerView]):
     shared = CounterMetricFamily("prefixgate_worker_prefix_shared_tokens",
                                  "Prompt tokens a worker took from its live sequences' cells",
                                  labels=["worker"])
+    restarts = CounterMetricFamily("prefixgate_worker_restarts",
+                                   "Times a worker was replaced: it died or was stuck",
+                                   labels=["worker"])
     routed = CounterMetricFamily("prefixgate_routing_decisions",
                                  "Requests routed to a worker, by the router's reason",
                                  labels=["worker", "reason"])
@@ -268,7 +286,8 @@ def _per_worker(views: list[WorkerView]):
         up.add_metric([worker], 1 if view.state == "ready" else 0)
         hits.add_metric([worker], snap.cache.hit_tokens if snap.cache else 0)
         shared.add_metric([worker], snap.shared_tokens)
+        restarts.add_metric([worker], view.restarts)
         for reason, n in view.routed.items():
             routed.add_metric([worker, reason], n)
     yield from gauges.values()
-    yield from (up, hits, shared, routed)
+    yield from (up, hits, shared, restarts, routed)

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 ADMIN_PREFIX = "/v1/cache/"
 ANTHROPIC_PREFIX = "/v1/messages"
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: what needs a key when keys exist
+# Monitoring's own polls: counted, they would dilute the error rate of the API's answers.
+UNCOUNTED_PATHS = ("/health", "/metrics")
 
 _own_routes = web.RouteTableDef()
 
@@ -61,6 +63,15 @@ def _require_metrics_key(request: web.Request) -> None:
 def error_shape(path: str) -> Shape:
     """Anthropic's clients read Anthropic's errors on its paths; everything else is OpenAI's."""
     return "anthropic" if path.startswith(ANTHROPIC_PREFIX) else "openai"
+
+
+@web.middleware
+async def count_responses(request: web.Request, handler) -> web.StreamResponse:
+    """Every answer by its status. Outermost: api_errors has made every failure a response."""
+    response = await handler(request)
+    if request.path not in UNCOUNTED_PATHS:
+        request.app["gateway"].metrics.responses.labels(str(response.status)).inc()
+    return response
 
 
 @web.middleware
@@ -109,7 +120,7 @@ routes = [*_own_routes, *openai_api.routes, *anthropic_api.routes, *responses_ap
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[api_errors, api_keys],
+    app = web.Application(middlewares=[count_responses, api_errors, api_keys],
                           client_max_size=gateway.config.limits.max_body_bytes)
     app["gateway"] = gateway
     app.add_routes(routes)

@@ -139,6 +139,9 @@ class SharedPool:
     def tier_stats(self) -> TierStats:
         return dataclasses.replace(self.tier.stats) if self.tier else TierStats()
 
+    def tier_skipping(self) -> bool:
+        return self.tier is not None and self.tier.skipping()
+
     def tier_hits(self, queried: int, loaded: int) -> TierHits:
         """The one place hits are added up across tiers. Workers count what they `loaded` from
         the pool; blocks adopted from Redis reach them through the pool too, so those tokens

@@ -360,7 +360,7 @@ class Workers:
 
     def views(self) -> list[WorkerView]:
         with self._lock:
-            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed))
+            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed), w.restarts)
                     for w in self._workers]
 
 
@@ -370,3 +370,4 @@ class WorkerView:
     state: str
     snapshot: EngineSnapshot
     routed: dict[str, int]
+    restarts: int  # times this worker id was replaced

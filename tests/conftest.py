@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -110,8 +112,9 @@ def local_model(model_path: Path):
     model.close()
 
 
-@pytest.fixture
-def redis_url():
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real redis-server on a free loopback port: (its URL, its process)."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed (make test installs it)"
     port = free_port()
@@ -120,13 +123,21 @@ def redis_url():
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url, server
-    server.kill()
-    server.wait()
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield url, server
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def redis_url():
+    with redis_server() as server:
+        yield server

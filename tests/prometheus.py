@@ -34,6 +34,13 @@ def rule_files() -> list[Path]:
     return [CONFIG.parent / name for name in config.get("rule_files") or []]
 
 
+def alert_names() -> list[str]:
+    """Every alert of the rule files prometheus.yml loads."""
+    return [rule["alert"] for path in rule_files()
+            for group in yaml.safe_load(path.read_text())["groups"]
+            for rule in group["rules"] if "alert" in rule]
+
+
 def rewritten_config(target: str, interval: str) -> dict[str, Any]:
     """The repo's config scraping `target` every `interval` (and evaluating rules as often)."""
     config = yaml.safe_load(CONFIG.read_text())

@@ -34,6 +34,8 @@ COMPOSE = ROOT / "compose.yaml"
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+PROMETHEUS_CONFIG_INSIDE = PurePosixPath("/etc/prometheus/prometheus.yml")  # the image reads it
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "prefixgate.json"
 GATEWAY_PORT = 8000
@@ -198,10 +200,16 @@ def k8s_resources() -> list[str]:
     return yaml.safe_load((K8S / "kustomization.yaml").read_text()).get("resources") or []
 
 
+def k8s_manifests() -> list[str]:
+    """The kustomization's resources that are files of deploy/k8s (the others are directories
+    of kustomizations of their own)."""
+    return [r for r in k8s_resources() if (K8S / r).is_file()]
+
+
 def k8s_docs() -> list[dict[str, Any]]:
     """Every object of the manifests the kustomization lists."""
     docs = []
-    for resource in k8s_resources():
+    for resource in k8s_manifests():
         docs += [d for d in yaml.safe_load_all((K8S / resource).read_text()) if d]
     return docs
 
@@ -417,7 +425,12 @@ def test_compose_references_exist() -> None:
     assert host_path(locust, locustfile) == (ROOT / "loadtest" / "locustfile.py").resolve()
 
     prometheus = service("prometheus")
-    assert host_path(prometheus, "/etc/prometheus/prometheus.yml") == PROMETHEUS_CONFIG.resolve()
+    assert host_path(prometheus, str(PROMETHEUS_CONFIG_INSIDE)) == PROMETHEUS_CONFIG.resolve()
+    rule_files = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["rule_files"]
+    assert ALERTS.name in rule_files
+    for rules in rule_files:  # relative to the config, where Prometheus reads them
+        assert host_path(prometheus, str(PROMETHEUS_CONFIG_INSIDE.parent / rules)) == \
+            (PROMETHEUS_CONFIG.parent / rules).resolve()
 
     grafana = service("grafana")
     provisioning = host_path(grafana, "/etc/grafana/provisioning")
@@ -565,12 +578,13 @@ def test_dashboard_queries_exported_metrics(gateway: GatewayProcess) -> None:
 # ---- Kubernetes ----------------------------------------------------------------------------------
 
 def test_k8s_manifests_parse_and_are_listed() -> None:
-    """The kustomization lists files that exist, and every manifest in deploy/k8s."""
-    resources = k8s_resources()
-    for resource in resources:
-        assert (K8S / resource).is_file(), f"kustomization lists missing {resource}"
+    """The kustomization lists files and kustomizations that exist, and every manifest in
+    deploy/k8s."""
+    for resource in set(k8s_resources()) - set(k8s_manifests()):
+        assert (K8S / resource / "kustomization.yaml").is_file(), \
+            f"kustomization lists missing {resource}"
     manifests = {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert manifests == set(resources), "a manifest the kustomization does not apply"
+    assert manifests == set(k8s_manifests()), "a manifest the kustomization does not apply"
     for doc in k8s_docs():
         assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
     assert {"ConfigMap", "Deployment", "Service"} <= {d["kind"] for d in k8s_docs()}
@@ -658,5 +672,9 @@ def test_kubectl_kustomize() -> None:
     result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(result.stdout) if d)
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    alerts = [d for d in rendered if d["metadata"]["name"] == "prefixgate-alerts"]
+    assert [d["kind"] for d in alerts] == ["ConfigMap"]
+    assert alerts[0]["data"] == {ALERTS.name: ALERTS.read_text()}, "not the rules as they are"
+    kinds = sorted(d["kind"] for d in rendered if d not in alerts)
     assert kinds == sorted(d["kind"] for d in k8s_docs())

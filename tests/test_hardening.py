@@ -148,6 +148,10 @@ def test_an_overload_burst_gets_429s_and_the_admitted_finish_correctly(small_gat
     for headers, body in refused:
         assert int(headers["Retry-After"]) >= 1
         assert body["error"]["type"] == "rate_limit_error"
+    assert small_gateway.labelled("prefixgate_requests_refused_total", "reason") == {
+        "capacity": len(refused), "rate_limit": 0}
+    assert small_gateway.labelled("prefixgate_http_responses_total", "code")["429"] == \
+        len(refused)
     for i, body in admitted:  # each as it would have been alone
         alone = client.completions.create(model=model_name, prompt=f"Story {i}: once upon a time",
                                           max_tokens=24, temperature=0,
@@ -274,6 +278,8 @@ def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name,
         with pytest.raises(openai.RateLimitError):
             by_requests.completions.create(model=model_name, prompt="word " * 5000,
                                            max_tokens=1)
+        assert server.labelled("prefixgate_requests_refused_total", "reason") == {
+            "capacity": 0, "rate_limit": 3}
     finally:
         server.stop()
 

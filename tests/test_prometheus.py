@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import DEFAULT_ARGS, openai_client
+from tests.conftest import DEFAULT_ARGS, openai_client, redis_server
 from tests.dashboards import (
     dashboard_files,
     dashboard_queries,
@@ -21,7 +21,7 @@ from tests.dashboards import (
     rate_interval,
     substitute,
 )
-from tests.prometheus import CONFIG, JOB, Prometheus, binary, has_data
+from tests.prometheus import CONFIG, JOB, Prometheus, alert_names, binary, has_data
 from tests.test_cache_controls import ADMIN, admin
 from tests.test_prefix_cache import ask, system_chat
 from tests.test_redis_tier import tier, wait_stored
@@ -32,23 +32,26 @@ SCRAPE_SECONDS = 1  # the repo's 5 s, shortened so that a few seconds of traffic
 MAX_DATA_POINTS = 1000
 SYSTEM = "You keep the ferry timetable of the northern islands and answer in one line. " * 8
 VARIABLE_QUERY = re.compile(r"label_values\((\w+),\s*(\w+)\)")
+METRIC = re.compile(r"\bprefixgate_[a-z0-9_]+")
 
 
-@pytest.fixture
-def monitored(redis_url, model_path, tmp_path):
-    """A gateway with the Redis tier and the admin API, and a Prometheus scraping it."""
-    url, _ = redis_url
-    gateway = GatewayProcess(model_path, *DEFAULT_ARGS, "--redis-url", url, "--admin-key", ADMIN)
-    try:
-        prometheus = Prometheus(tmp_path / "prometheus", f"127.0.0.1:{gateway.port}",
-                                f"{SCRAPE_SECONDS}s")
+@pytest.fixture(scope="module")
+def monitored(model_path, tmp_path_factory):
+    """A gateway with the Redis tier and the admin API, and a Prometheus scraping it (and
+    evaluating the alert rules)."""
+    with redis_server() as (url, _):
+        gateway = GatewayProcess(model_path, *DEFAULT_ARGS, "--redis-url", url,
+                                 "--admin-key", ADMIN)
         try:
-            prometheus.wait_for(f'up{{job="{JOB}"}}', 1)
-            yield gateway, prometheus
+            prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"),
+                                    f"127.0.0.1:{gateway.port}", f"{SCRAPE_SECONDS}s")
+            try:
+                prometheus.wait_for(f'up{{job="{JOB}"}}', 1)
+                yield gateway, prometheus
+            finally:
+                prometheus.stop()
         finally:
-            prometheus.stop()
-    finally:
-        gateway.stop()
+            gateway.stop()
 
 
 def traffic(gateway: GatewayProcess) -> None:
@@ -107,6 +110,24 @@ def test_every_panel_query_returns_data(monitored) -> None:
     print(f"\n{answered} of {len(queries)} panel queries returned data "
           f"(instance {' and '.join(selections)})")
     assert queries and not empty, "\n".join(line for _, line in empty)
+
+
+def test_alert_rules_evaluate_on_a_live_gateway(monitored) -> None:
+    """Prometheus loaded alerts.yml through prometheus.yml, evaluates every rule without an
+    error, and every metric a rule reads is one the gateway exports."""
+    gateway, prometheus = monitored
+    ask(openai_client(gateway), gateway.model_name, system_chat("Any ferry today?"), 4)
+    deadline = time.monotonic() + 60
+    while True:
+        rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+        if rules and all(r["health"] != "unknown" for r in rules):
+            break
+        assert time.monotonic() < deadline, "the rules were never evaluated"
+        time.sleep(0.2)
+    assert {r["name"] for r in rules} == set(alert_names())
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r["lastError"]) for r in rules]
+    for name in sorted({m for r in rules for m in METRIC.findall(r["query"])}):
+        prometheus.wait_for(f"count({name}) > bool 0", 1)
 
 
 def test_promtool_checks_the_config() -> None:

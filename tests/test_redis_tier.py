@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import openai
 import pytest
 import redis
 
+from cache.redis_tier import BREAKER_FAILURES, RedisTier, TierConfig
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DETERMINISTIC_ARGS, openai_client
 from tests.test_prefix_cache import ask, system_chat
@@ -107,6 +109,24 @@ def test_redis_going_away_costs_a_miss_not_a_request(redis_url, model_path, mode
         server.settled()
     finally:
         server.stop()
+
+
+def test_the_breaker_opens_after_repeated_failures(redis_url):
+    """What prefixgate_prefix_cache_tier_breaker_open reports: closed while Redis answers,
+    open once it failed BREAKER_FAILURES times in a row."""
+    url, redis_process = redis_url
+    redis_tier = RedisTier(TierConfig(url), "a fingerprint", slot_bytes=16)
+    key, tokens = bytes(16), np.arange(4, dtype=np.int32)
+    try:
+        assert redis_tier.fetch([key], [tokens]) == [] and not redis_tier.skipping()  # a miss
+        redis_process.kill()
+        redis_process.wait()
+        for _ in range(BREAKER_FAILURES):
+            assert not redis_tier.skipping()
+            assert redis_tier.fetch([key], [tokens]) == []
+        assert redis_tier.skipping() and redis_tier.stats.errors == BREAKER_FAILURES
+    finally:
+        redis_tier.close()
 
 
 def test_with_a_redis_key_only_values_signed_with_it_are_loaded(redis_url, model_path,

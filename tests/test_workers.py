@@ -119,6 +119,7 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
     assert [w["state"] for w in degraded["workers"]] != ["ready", "ready"]
     ready = wait_for_health(server, "ok")
     assert next(w for w in ready["workers"] if w["id"] == 0)["pid"] != victim["pid"]
+    assert server.per_worker("prefixgate_worker_restarts_total") == {"0": 1, "1": 0}
     after = [complete(client, model_name, p) for p in (prompts[0], prompts[2], prompts[0])]
     assert after[0] == after[2] == first
     metrics = server.settled()
