@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF
 
-.PHONY: setup serve test lint bench system-deps agents
+.PHONY: setup serve test lint bench system-deps agents image-check
 
 setup: $(VENV)/.installed
 
@@ -48,13 +48,24 @@ $(AGENTS)/.installed: Makefile
 # with apt when missing (as root, on Debian or Ubuntu): command -> the package that provides it.
 SYSTEM_DEPS := redis-server:redis-server docker-compose:docker-compose chromium:chromium \
 	chromedriver:chromium-driver prometheus:prometheus promtool:prometheus
-system-deps:
-	@missing=""; for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || \
-		missing="$$missing $${pair##*:}"; done; \
+# $(call apt_missing,PAIRS): installs the packages of the command:package pairs whose command
+# is missing.
+apt_missing = @missing=""; for pair in $(1); do command -v $${pair%%:*} >/dev/null || \
+		missing="$$missing $${pair\#\#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+system-deps:
+	$(call apt_missing,$(SYSTEM_DEPS))
+
+# The Dockerfile's steps in clean Debian roots (mmdebstrap, then chroot; no Docker engine
+# needed), then its gateway started until its HEALTHCHECK passes: 22 minutes on a busy 2-core
+# machine, 20 of them compiling llama.cpp, so not part of `make test`. As root.
+IMAGE_CHECK_DEPS := mmdebstrap:mmdebstrap unshare:util-linux ip:iproute2
+image-check:
+	$(call apt_missing,$(IMAGE_CHECK_DEPS))
+	$(PYTHON) -m tests.image_check $(ARGS)
 
 # The side-by-side benchmark (tens of minutes): installs llama-cpp-python's server, builds
 # llama-server once, runs every system and writes docs/benchmarks.md with its plots.

