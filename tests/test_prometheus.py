@@ -89,10 +89,14 @@ def test_every_panel_query_returns_data(monitored) -> None:
     traffic(gateway)
     finished = gateway.wait_idle()["prefixgate_generation_tokens_total"]
     prometheus.wait_for("sum(prefixgate_generation_tokens_total)", finished)
-    end = time.time()
-    interval = max(SCRAPE_SECONDS, (end - start) / MAX_DATA_POINTS)
-    variables = {"__rate_interval": f"{rate_interval(interval, SCRAPE_SECONDS):g}s",
-                 "__interval": f"{interval:g}s"}
+    # The panels as they look a rate window after the traffic, once Prometheus has scraped
+    # that far: then every window around it, the last increments' too, lies in the range.
+    interval = SCRAPE_SECONDS  # at these time ranges, under MAX_DATA_POINTS points
+    window = rate_interval(interval, SCRAPE_SECONDS)
+    end = time.time() + window
+    prometheus.wait_for(f'timestamp(up{{job="{JOB}"}}) >= bool {end}', 1)
+    assert (end - start) / MAX_DATA_POINTS < interval
+    variables = {"__rate_interval": f"{window:g}s", "__interval": f"{interval:g}s"}
 
     queries, empty = [], []
     for dashboard in dashboard_files():
