@@ -26,7 +26,7 @@ import xxhash
 
 from cache.arena import BlockArena
 from cache.block_pool import BlockPool
-from cache.radix_tree import Match, RadixTree
+from cache.radix_tree import Match, PathReport, RadixTree
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ class CacheIndex:
     def cached_length(self, tokens: np.ndarray, namespace: str) -> int:
         with self._lock:
             return self.tree.matched_length(tokens, namespace.encode())
+
+    def report(self, tokens: np.ndarray, namespace: str) -> PathReport:
+        """How the prompt meets the cached paths, touching nothing (explaining a miss)."""
+        with self._lock:
+            return self.tree.report(tokens, namespace.encode())
+
+    def namespace_named(self, hashed: str) -> str | None:
+        """The namespace of the tree that the admin API calls `hashed`, if it holds any block."""
+        with self._lock:
+            return next((n.namespace.decode() for n in self.tree.nodes()
+                         if namespace_hash(n.namespace) == hashed), None)
 
     def match(self, owner: int, tokens: np.ndarray, namespace: str) -> Lease:
         with self._lock:

@@ -93,6 +93,15 @@ class Match:
         return [(n.slot, u) for n, u in zip(self.nodes, used, strict=True)]
 
 
+@dataclass(frozen=True)
+class PathReport:
+    """How a prompt meets the cached paths, for explaining a miss (nothing is used or touched)."""
+
+    n_tokens: int  # the longest cached prefix
+    pinned_tokens: int  # of those, in pinned blocks
+    following: np.ndarray  # what the cache holds where the prompt leaves it (maybe nothing)
+
+
 class RadixTree:
     def __init__(self, pool: BlockPool, pin_budget: int | None = None,
                  clock: Callable[[], float] = time.time, namespace_share: float = 1.0) -> None:
@@ -170,6 +179,26 @@ class RadixTree:
     def matched_length(self, tokens: np.ndarray, namespace: bytes = b"") -> int:
         """How much of `tokens` is cached, without using (or refreshing) any block."""
         return self._walk(tokens, namespace)[1]
+
+    def report(self, tokens: np.ndarray, namespace: bytes = b"", following: int = 32
+               ) -> PathReport:
+        """The longest cached prefix of `tokens`, how much of it is pinned, and up to
+        `following` tokens the cache holds after it: the rest of a block the prompt left
+        inside, then the most recently used path on."""
+        path, n = self._walk(tokens, namespace)
+        now, start, pinned = self.clock(), 0, 0
+        for node in path:
+            used = min(len(node.tokens), n - start)
+            pinned += used if node.pinned_until > now else 0
+            start += len(node.tokens)
+        node = path[-1] if path else self.root(namespace)
+        held = [node.tokens[len(node.tokens) - (start - n):]] if start > n else []
+        while sum(map(len, held)) < following and node.children:
+            node = max((c for group in node.children.values() for c in group),
+                       key=lambda child: child.stamp)
+            held.append(node.tokens)
+        after = np.concatenate(held)[:following] if held else np.empty(0, np.int32)
+        return PathReport(n, pinned, after)
 
     def _walk(self, tokens: np.ndarray, namespace: bytes) -> tuple[list[Node], int]:
         node, path, n = self.root(namespace), [], 0

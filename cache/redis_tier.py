@@ -132,6 +132,21 @@ class RedisTier:
 
     # ----- reads --------------------------------------------------------------------------
 
+    def held(self, block_keys: list[bytes]) -> int | None:
+        """How many of the blocks, from the first, Redis has (by key: values are verified only
+        when fetched); None when it cannot say. Explaining a miss: nothing is fetched."""
+        if not block_keys or self.skipping():
+            return None if block_keys else 0
+        try:
+            with self._reads.pipeline(transaction=False) as pipe:
+                for key in block_keys:
+                    pipe.exists(self.key(key))
+                present = pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("Redis tier: explaining a miss: %s", exc)
+            return None
+        return next((i for i, found in enumerate(present) if not found), len(present))
+
     def fetch(self, block_keys: list[bytes], chunks: list[np.ndarray]) -> list[bytes]:
         """The bytes of the blocks, in order, up to the first one Redis lacks or that does not
         verify (its tokens must be `chunks[i]`)."""

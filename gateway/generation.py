@@ -24,6 +24,7 @@ from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
 from gateway import replay
+from gateway.cache_sources import HEADER, header_value, held_for
 from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError, invalid
 from gateway.handles import GenerationHandle
@@ -78,6 +79,7 @@ class Choice:
     stop_sequence: str | None = None  # the stop string that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     usage: Usage | None = None  # on its last output
+    cached: int | None = None  # prompt tokens a cache served: on its first output, or its last
     generated: tuple[int, ...] = ()  # its token ids, once it has ended
     n_generated: int = 0  # completion tokens so far, also when it never finishes
     parts: list[Part] = field(default_factory=list)
@@ -176,18 +178,27 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
     pool = gateway.workers.pool
+    adopted = 0
     if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
-        await asyncio.to_thread(pool.fetch_from_tier, generation)
+        adopted = await asyncio.to_thread(pool.fetch_from_tier, generation)
     pins = planned.pins if pool is not None else ()
     for pin in pins:  # what is cached already, now; the rest once it is stored
         pool.pin(generation, pin.n_tokens, pin.seconds)
+    held = held_for(gateway, generation, adopted)  # before it is in flight itself
     handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
-    timer = gateway.metrics.request_timer()
+    timer = gateway.metrics.request_timer(len(prompt_tokens))
     choices = [Choice() for _ in handles]
+
+    def cache_header() -> dict[str, str]:
+        """What the first choice got from the cache (its usage's cached tokens)."""
+        return {HEADER: header_value(choices[0].cached or 0, len(prompt_tokens), held)}
+
     try:
         if planned.stream:
-            return await _stream(request, handles, wire, timer, limits.request_timeout, choices)
-        return await _collect(handles, wire, timer, limits.request_timeout, choices)
+            return await _stream(request, handles, wire, timer, limits.request_timeout, choices,
+                                 cache_header)
+        return await _collect(handles, wire, timer, limits.request_timeout, choices,
+                              cache_header)
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
@@ -288,6 +299,9 @@ async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
             choice.text += output.text
             choice.logprobs += output.logprobs
             choice.n_generated = max(choice.n_generated, output.n_generated)
+            if choice.cached is None:
+                choice.cached = output.usage.cached_tokens if output.usage \
+                    else output.cached_tokens
             if output.usage:
                 choice.finish_reason, choice.usage = output.finish_reason, output.usage
                 choice.stop_sequence, choice.generated = output.stop_sequence, output.generated
@@ -306,7 +320,8 @@ def total_usage(choices: list[Choice]) -> Usage:
 
 
 async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: float | None,
-                   choices: list[Choice]) -> web.Response:
+                   choices: list[Choice], cache_header: Callable[[], dict[str, str]]
+                   ) -> web.Response:
     try:
         async with asyncio.timeout(timeout):
             async for i, output in _outputs(handles, choices, timer):
@@ -316,28 +331,43 @@ async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: 
                     choices[i].grow(wire.parser, final=True)
     except TimeoutError:
         raise _timed_out(timeout) from None
-    return json_response(wire.whole(choices, total_usage(choices)))
+    return json_response(wire.whole(choices, total_usage(choices)), headers=cache_header())
 
 
 async def _stream(request: web.Request, handles: list[GenerationHandle], wire: Wire, timer,
-                  timeout: float | None, choices: list[Choice]) -> web.StreamResponse:
+                  timeout: float | None, choices: list[Choice],
+                  cache_header: Callable[[], dict[str, str]]) -> web.StreamResponse:
+    """The headers go once the first choice says what the cache gave it (its first output), so
+    that they can say it too; the events made until then wait for them, in order."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    await _send(response, wire.opening(len(handles)))
+    held: list[Event] = wire.opening(len(handles))
+
+    async def send(events: list[Event], opened: bool = False) -> None:
+        nonlocal held
+        if not response.prepared:
+            if choices[0].cached is None and not opened:
+                held += events
+                return
+            response.headers.update(cache_header())
+            await response.prepare(request)
+            events, held = [*held, *events], []
+        await _send(response, events)
+
     try:
         async with asyncio.timeout(timeout):
             async for i, output in _outputs(handles, choices, timer):
                 if output.error:
-                    await _send(response, wire.failure(_generation_error(output)))
+                    await send(wire.failure(_generation_error(output)), opened=True)
                     break
                 growth = choices[i].grow(wire.parser, final=output.last)
-                await _send(response, wire.on_output(i, output, choices[i], growth))
+                await send(wire.on_output(i, output, choices[i], growth))
             else:
-                await _send(response, wire.closing(choices, total_usage(choices)))
+                await send(wire.closing(choices, total_usage(choices)), opened=True)
     except TimeoutError:
         for handle in handles:  # freed at the deadline, whatever the client's socket does
             handle.cancel()
+        await send([], opened=True)
         await _finish_stream(request, response, wire, _timed_out(timeout))
         return response
     await response.write(wire.terminator)
@@ -370,6 +400,7 @@ def _generation_error(output: Output) -> APIError:
     return APIError(500, f"Generation failed: {output.error}", code="engine_error")
 
 
-def json_response(payload: dict, status: int = 200) -> web.Response:
+def json_response(payload: dict, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status,
-                        content_type="application/json")
+                        content_type="application/json", headers=headers)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from cache.index import IndexSnapshot
 from cache.redis_tier import TierStats
 from engine.messages import CacheStats, EngineSnapshot, Output
+from gateway.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
     from gateway.response_store import ResponseStore
@@ -70,9 +71,10 @@ class Metrics:
         stored.set_function(lambda: responses.stats[1])
         self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
         self.ttft_count = 0
+        self.prefill = PrefillSpeed()
 
-    def request_timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def request_timer(self, prompt_tokens: int) -> RequestTimer:
+        return RequestTimer(self, prompt_tokens)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -81,14 +83,20 @@ class Metrics:
 class RequestTimer:
     """Observes one request's latencies from the outputs it receives."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, prompt_tokens: int) -> None:
         self._metrics = metrics
+        self._prompt_tokens = prompt_tokens
         self._start = self._last = time.monotonic()
         self._first_seen = False
+        self._prefill_seen = False
 
     def on_output(self, output: Output) -> None:
         now = time.monotonic()
         m = self._metrics
+        cached = output.usage.cached_tokens if output.usage else output.cached_tokens
+        if cached is not None and not self._prefill_seen:  # the prompt is computed by now
+            m.prefill.observe(self._prompt_tokens - cached, now - self._start)
+            self._prefill_seen = True
         if output.text:
             gap = now - (self._last if self._first_seen else self._start)
             (m.itl if self._first_seen else m.ttft).observe(gap)

@@ -11,6 +11,7 @@ from gateway.chat_formats import OutputParser, Reasoning, call_grammar_of
 from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
+from gateway.prompts import ChatPrompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from gateway.service import Gateway
 
@@ -31,12 +32,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = parse_request(ChatCompletionRequest, await request.read())
     gateway.require_model(body.model)
     admit(request)
-    # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
-    try:
-        prompt = await asyncio.to_thread(gateway.prompts.chat, body.messages, body.toolbox,
-                                         Reasoning.of_effort(body.reasoning_effort))
-    except ValueError as exc:  # the chat template refused the messages (raise_exception)
-        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    prompt = await chat_prompt(gateway, body)
     wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, prompt.parser)
     return await generate(request, prompt.tokens,
                           _planner(request, body, prompt.tokens, prompt.parser), wire)
@@ -48,13 +44,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = parse_request(CompletionRequest, await request.read())
     gateway.require_model(body.model)
     admit(request)
-    try:
-        prompt_tokens = await asyncio.to_thread(gateway.prompts.completion,
-                                                body.single_prompt())
-    except ValueError as exc:
-        raise invalid(str(exc), "prompt") from None
+    prompt_tokens = await completion_prompt(gateway, body)
     wire = CompletionWire(body.model, _token_bytes(gateway, body), body.include_usage)
     return await generate(request, prompt_tokens, _planner(request, body, prompt_tokens), wire)
+
+
+async def chat_prompt(gateway: Gateway, body: ChatCompletionRequest) -> ChatPrompt:
+    """The prompt of a chat completion (POST /v1/chat/completions and /v1/cache/explain)."""
+    # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
+    try:
+        return await asyncio.to_thread(gateway.prompts.chat, body.messages, body.toolbox,
+                                       Reasoning.of_effort(body.reasoning_effort))
+    except ValueError as exc:  # the chat template refused the messages (raise_exception)
+        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+
+
+async def completion_prompt(gateway: Gateway, body: CompletionRequest) -> list[int]:
+    """The prompt tokens of a completion (POST /v1/completions and /v1/cache/explain)."""
+    try:
+        return await asyncio.to_thread(gateway.prompts.completion, body.single_prompt())
+    except ValueError as exc:
+        raise invalid(str(exc), "prompt") from None
 
 
 def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionRequest):

@@ -44,15 +44,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = parse_request(ResponsesRequest, await request.read())
     gateway.require_model(body.model)
     admit(request)
-    previous = None
-    if body.previous_response_id is not None:
-        previous = await _lookup(gateway, body.previous_response_id, request["namespace"])
-        if previous is None:
-            raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
-                          "previous_response_id", "previous_response_not_found")
     _leave_out_hosted_tools(gateway, body)
-    toolbox = body.toolbox()
-    prompt = await asyncio.to_thread(_render, gateway, body, toolbox, previous)
+    prompt = await response_prompt(gateway, body, request["namespace"])
     logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
     def store(done: dict, choice: Choice) -> None:
@@ -93,6 +86,19 @@ class RenderedPrompt:
     text: str
     tokens: list[int]
     parser: OutputParser | None
+
+
+async def response_prompt(gateway: Gateway, body: ResponsesRequest,
+                          namespace: str) -> RenderedPrompt:
+    """The prompt of a Responses request, continuing the namespace's stored response it
+    names (POST /v1/responses and /v1/cache/explain)."""
+    previous = None
+    if body.previous_response_id is not None:
+        previous = await _lookup(gateway, body.previous_response_id, namespace)
+        if previous is None:
+            raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
+                          "previous_response_id", "previous_response_not_found")
+    return await asyncio.to_thread(_render, gateway, body, body.toolbox(), previous)
 
 
 def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,

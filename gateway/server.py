@@ -15,7 +15,15 @@ import time
 
 from aiohttp import web
 
-from gateway import admin_api, anthropic_api, cors, openai_api, responses_api, tokens_api
+from gateway import (
+    admin_api,
+    anthropic_api,
+    cors,
+    explain_api,
+    openai_api,
+    responses_api,
+    tokens_api,
+)
 from gateway.auth import KeyRing, bearer_matches
 from gateway.errors import APIError, Shape
 from gateway.service import HISTORY_STEP, Gateway, ServerConfig
@@ -116,7 +124,7 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
 
 # Every route the gateway answers, each API's from its own module.
 routes = [*_own_routes, *openai_api.routes, *anthropic_api.routes, *responses_api.routes,
-          *tokens_api.routes, *admin_api.routes]
+          *tokens_api.routes, *admin_api.routes, *explain_api.routes]
 
 
 def build_app(gateway: Gateway) -> web.Application:

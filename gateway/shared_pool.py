@@ -99,29 +99,41 @@ class SharedPool:
         self.index.pin(np.asarray(request.prompt_tokens[:n_tokens], dtype=np.int32),
                        request.namespace, time.time() + seconds)
 
-    def fetch_from_tier(self, request: GenerationRequest) -> None:
+    def fetch_from_tier(self, request: GenerationRequest) -> int:
         """On a local miss, adopts the prompt's following blocks from Redis into the pool (one
-        round trip, capped by --redis-timeout). Blocking: call it off the event loop. The tier
-        only ever saves work: whatever goes wrong here, the request computes instead."""
+        round trip, capped by --redis-timeout); returns the prompt tokens they added. Blocking:
+        call it off the event loop. The tier only ever saves work: whatever goes wrong here,
+        the request computes instead."""
         if self.tier is None:
-            return
+            return 0
         try:
-            self._fetch_from_tier(request)
+            return self._fetch_from_tier(request)
         except Exception:
             log.exception("adopting blocks from Redis failed; computing instead")
+            return 0
 
-    def _fetch_from_tier(self, request: GenerationRequest) -> None:
+    def redis_held(self, tokens: np.ndarray, namespace: str) -> int | None:
+        """Prompt tokens Redis holds from the start, in whole blocks; None without a tier or
+        when it cannot say. Blocking."""
+        if self.tier is None:
+            return None
+        bs = self.index.block_size
+        keys = self.index.chain_keys(tokens[: len(tokens) // bs * bs], namespace)
+        held = self.tier.held(keys)
+        return None if held is None else held * bs
+
+    def _fetch_from_tier(self, request: GenerationRequest) -> int:
         prompt = reusable_prompt(np.asarray(request.prompt_tokens, dtype=np.int32))
         bs, namespace = self.index.block_size, request.namespace
         have = self.index.cached_length(prompt, namespace)
         first = have // bs
         if len(prompt) - first * bs < bs:  # not a whole block to gain
-            return
+            return 0
         keys = self.index.chain_keys(prompt, namespace)[first:]
         chunks = [prompt[i: i + bs] for i in range(first * bs, len(prompt), bs)]
         found = self.tier.fetch(keys, chunks)
         if not found:
-            return
+            return 0
 
         def block_bytes(start: int, _end: int) -> bytes | None:
             i = start // bs - first
@@ -129,7 +141,9 @@ class SharedPool:
 
         held = self.index.adopt(prompt[: first * bs + sum(len(c) for c in chunks[:len(found)])],
                                 namespace, block_bytes, self.arena)
-        self.tier.record_hit(max(0, held - have))
+        adopted = max(0, held - have)
+        self.tier.record_hit(adopted)
+        return adopted
 
     def _to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int) -> None:
         self.tier.put(block_key, tokens, self.arena.block(slot))

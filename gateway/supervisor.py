@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cache.arena import remove_stale_arenas
+from cache.tokens import common_prefix
 from engine import process as worker_process
 from engine.messages import (
     Attach,
@@ -224,6 +225,16 @@ class Workers:
         for request_id, each in zip(ids, requests, strict=True):
             worker.send(Submit(request_id, each, pool_cached))
         return handles
+
+    def live_match(self, prompt: np.ndarray, namespace: str) -> tuple[int, np.ndarray | None]:
+        """The longest prefix of `prompt` a request in flight of the namespace holds or
+        computes (its cells are shared with a request that runs beside it), and that request's
+        prompt."""
+        with self._lock:
+            shareable = [r.prompt for w in self._workers for r in w.requests.values()
+                         if r.namespace == namespace]
+        return max(((common_prefix(other, prompt), other) for other in shareable),
+                   key=lambda match: match[0], default=(0, None))
 
     def _cancel(self, worker: WorkerProcess, request_id: int) -> None:
         """The client went away: the worker drops the sequence without another output."""

@@ -197,7 +197,8 @@ def raw(server: GatewayProcess, body: bytes | dict, headers: dict | None = None,
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(server.base_url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json",
-                                              **(headers or {"x-api-key": "key-a"})})
+                                              **(headers if headers is not None
+                                                 else {"x-api-key": "key-a"})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())

@@ -68,8 +68,13 @@ def traffic(gateway: GatewayProcess) -> None:
         assert chunk.choices
     wait_stored(gateway, usages[0].prompt_tokens // 64)
     assert admin(gateway, "DELETE", "/v1/cache/prefixes")[1]["dropped_blocks"] > 0
-    _, usage = ask(client, gateway.model_name, system_chat("And on Sundays?", SYSTEM))
+    raw = client.chat.completions.with_raw_response.create(
+        model=gateway.model_name, messages=system_chat("And on Sundays?", SYSTEM),
+        max_tokens=8, temperature=0)
+    usage = raw.parse().usage
     assert usage.prompt_tokens_details.cached_tokens > 0
+    assert raw.headers["x-prefix-cache"] == (f"cached={usage.prompt_tokens_details.cached_tokens}"
+                                             f"; prompt={usage.prompt_tokens}; source=redis")
     assert tier(gateway, "hits")["redis"] > 0
 
 
