@@ -384,7 +384,9 @@ class Engine:
             victim = self._preempt_newest()
             decoding = [seq for seq in decoding if seq is not victim]
         plan = [(seq, seq.tokens[-1:]) for seq in decoding]
-        budget = self.scheduler.prompt_budget(len(plan), self._batch.capacity)
+        prompting = len(plan) < len(self._running)  # some sequences have prompt tokens left
+        budget = self.scheduler.prompt_budget(len(plan), self._batch.capacity) if prompting \
+            else 0
         if self.unified:
             budget = min(budget, self.cells.free - len(plan))
         prompt_tokens = 0

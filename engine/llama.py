@@ -377,6 +377,10 @@ class Sampler:
                 n_vocab, penalty_window, s.repetition_penalty, s.frequency_penalty,
                 s.presence_penalty))
         self.greedy = s.temperature <= 0.0
+        # Nothing but the likeliest token: numpy's argmax on the logits picks what the chain
+        # would (the first of equal maxima), without copying the vocabulary into candidates.
+        self._argmax = self.greedy and self.grammar is None and \
+            lc.llama_sampler_chain_n(self.ptr) == 0
         if self.greedy:
             self._add(lc.llama_sampler_init_greedy())
             return
@@ -397,6 +401,10 @@ class Sampler:
                allow_eog: bool = True) -> int:
         if self.scripted:
             return self.script.pop() if self.script else self._end
+        if self._argmax and (allow_eog or self.eog_ban is None):
+            token = int(np.argmax(ctx.logits(batch_index)))
+            lc.llama_sampler_accept(self.ptr, token)
+            return token
         token = self._pick(ctx, batch_index, candidates, allow_eog, with_grammar=False)
         if self.grammar is not None and not self._grammar_allows(token):
             token = self._best_allowed(candidates) if self.greedy else None

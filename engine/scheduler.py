@@ -60,17 +60,23 @@ class StepCostFit:
         weight = prior_steps / len(shapes)
         self._xtx = weight * shapes.T @ shapes
         self._xty = weight * shapes.T @ (shapes @ coefficients)
-        self.cost = prior
+        self._cost: StepCost | None = prior
 
     def observe(self, n_decode: int, n_prompt: int, seconds: float) -> None:
         x = np.array([1.0, n_decode, n_prompt])
         self._xtx = self._decay * self._xtx + np.outer(x, x)
         self._xty = self._decay * self._xty + x * seconds
-        fixed, per_decode, per_prompt = np.linalg.solve(self._xtx, self._xty)
-        # A noisy fit must not turn a cost negative: then keep the prior's.
-        self.cost = StepCost(max(fixed, 0.0),
-                             per_decode if per_decode > 0 else PRIOR.per_decode,
-                             per_prompt if per_prompt > 0 else PRIOR.per_prompt)
+        self._cost = None  # solved when next read: most steps (decodes alone) never read it
+
+    @property
+    def cost(self) -> StepCost:
+        if self._cost is None:
+            fixed, per_decode, per_prompt = np.linalg.solve(self._xtx, self._xty)
+            # A noisy fit must not turn a cost negative: then keep the prior's.
+            self._cost = StepCost(max(fixed, 0.0),
+                                  per_decode if per_decode > 0 else PRIOR.per_decode,
+                                  per_prompt if per_prompt > 0 else PRIOR.per_prompt)
+        return self._cost
 
 
 @dataclass

@@ -12,6 +12,7 @@ freeing of everything the request held, whatever the client does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -283,17 +284,9 @@ async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
                    timer) -> AsyncIterator[tuple[int, Output]]:
     """Every choice's outputs as they come, with the choice's index, each one timed and added
     to its Choice first (text, logprobs; on the last one why it ended and its usage)."""
-    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
-
-    async def pump(i: int, handle: GenerationHandle) -> None:
-        async for output in handle.outputs():
-            await merged.put((i, output))
-
-    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     unfinished = len(handles)
-    try:
-        while unfinished:
-            i, output = await merged.get()
+    async with contextlib.aclosing(_merged(handles)) as merged:
+        async for i, output in merged:
             timer.on_output(output)
             choice = choices[i]
             choice.text += output.text
@@ -307,6 +300,27 @@ async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
                 choice.stop_sequence, choice.generated = output.stop_sequence, output.generated
             yield i, output
             unfinished -= output.last
+            if not unfinished:
+                return
+
+
+async def _merged(handles: list[GenerationHandle]) -> AsyncIterator[tuple[int, Output]]:
+    """The handles' outputs in arrival order, with the handle's index. A lone request's go
+    straight through: a task and a queue in between would cost a wake-up per token."""
+    if len(handles) == 1:
+        async for output in handles[0].outputs():
+            yield 0, output
+        return
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+    async def pump(i: int, handle: GenerationHandle) -> None:
+        async for output in handle.outputs():
+            await merged.put((i, output))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        while True:
+            yield await merged.get()
     finally:
         for task in pumps:
             task.cancel()

@@ -1,6 +1,7 @@
 """The engine's decode speed against a bare llama-cpp-python loop, both measured in one run.
 
     python -m loadtest.decode_speed [--tokens 128] [--concurrency 1 8] [--flash-attn on|off]
+                                    [--source CHECKOUT ...]
 
 For each concurrency it decodes `--tokens` greedy tokens per sequence after a short prompt:
 - bare loop, main thread: concurrency 1 is llama-cpp-python's own `Llama.eval`, one token per
@@ -9,7 +10,11 @@ For each concurrency it decodes `--tokens` greedy tokens per sequence after a sh
 - bare loop, second thread: the same loop from a thread that is not the process's main one
   (where the engine runs), which an OpenMP build of llama.cpp makes ~3x slower;
 - engine: engine.batching.Engine on its own thread, exactly as a worker process runs it (cache
-  off: the decode path is the same), with the share of its step spent outside `llama_decode`.
+  off: the decode path is the same), with the share of its step spent outside `llama_decode`;
+- gateway: the real gateway (one worker process, the default cache) over streamed HTTP, each
+  sequence a streamed /v1/completions request of the same prompt's token ids: a user's time per
+  token, with the gateway's and worker's CPU taken from llama.cpp's two cores. `--source` adds
+  the gateway of other checkouts beside it (before/after figures in one run).
 
 It prints a markdown table: ms per decode step (one token for each sequence) and tok/s.
 """
@@ -17,20 +22,25 @@ It prints a markdown table: ms per decode step (one token for each sequence) and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llama_cpp as lc
 import numpy as np
+import orjson
+from aiohttp import ClientSession, ClientTimeout
 
 from engine.batching import Engine
 from engine.config import CacheConfig, EngineConfig
 from engine.llama import Model, openmp_build
 from engine.messages import GenerationRequest, Output, SamplerSettings
 from gateway.model_store import default_model_path
+from loadtest.gateway_process import ROOT, GatewayProcess
 
 N_CTX = 16384  # the engine's default: one unified pool of cells
 PROMPT_WORDS = 24
@@ -167,6 +177,45 @@ def engine_run(model: Model, batch_prompts: list[list[int]], n_tokens: int, thre
     return EngineFigures(statistics.median(per_sequence) * 1e3, 1 - in_decode[0] / wall)
 
 
+async def _stream_tpot(session: ClientSession, gateway: GatewayProcess, prompt: list[int],
+                       n_tokens: int) -> float:
+    """ms per token of one streamed greedy completion, from its first token to its last."""
+    body = {"model": gateway.model_name, "prompt": prompt, "max_tokens": n_tokens + 1,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times, completion_tokens = [], 0
+    async with session.post(gateway.base_url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if any(choice.get("text") for choice in event.get("choices") or []):
+                times.append(time.perf_counter())
+            if usage := event.get("usage"):
+                completion_tokens = usage["completion_tokens"]
+    # A chunk can carry more than one token (text held back mid-character), so per token.
+    return (times[-1] - times[0]) / (completion_tokens - 1) * 1e3
+
+
+def gateway_http(model_path: str, batch_prompts: list[list[int]], n_tokens: int, threads: int,
+                 flash: bool, source: Path) -> float:
+    """ms per token (median over the sequences) through the gateway's streamed HTTP API."""
+    gateway = GatewayProcess(Path(model_path), "--threads", str(threads),
+                             "--parallel", str(max(8, len(batch_prompts))),
+                             "--flash-attn", "on" if flash else "off", source=source)
+
+    async def run() -> list[float]:
+        async with ClientSession(timeout=ClientTimeout(total=600)) as session:
+            await _stream_tpot(session, gateway, batch_prompts[0], 8)  # warm up
+            return await asyncio.gather(*(_stream_tpot(session, gateway, prompt, n_tokens)
+                                          for prompt in batch_prompts))
+    try:
+        return statistics.median(asyncio.run(run()))
+    finally:
+        gateway.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,15 +224,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flash-attn", choices=("on", "off"), default="on")
+    parser.add_argument("--source", type=Path, nargs="*", default=[],
+                        help="other checkouts whose gateway to measure beside this one's")
     args = parser.parse_args()
+    sources = [ROOT, *args.source]
     flash = args.flash_attn == "on"
     model = Model(args.model)
     print(f"llama-cpp-python {lc.__version__}, {'OpenMP' if openmp_build() else 'ggml threadpool'}"
           f" build, {args.threads} threads, flash attention {args.flash_attn}, "
           f"{args.tokens} tokens per sequence\n")
+    gateway_names = ["gateway" if source == ROOT else f"gateway ({source})" for source in sources]
     print("| sequences | bare loop, main thread | bare loop, second thread | engine (its thread) "
-          "| engine / bare | engine time outside llama_decode |")
-    print("|---|---|---|---|---|---|")
+          "| engine / bare | engine time outside llama_decode | "
+          + " | ".join(f"{name}, streamed HTTP | {name} / bare" for name in gateway_names) + " |")
+    print("|---" * (6 + 2 * len(sources)) + "|")
     for n_seq in args.concurrency:
         batch_prompts = prompts(n_seq, model)
         if n_seq == 1:
@@ -195,9 +249,12 @@ def main() -> None:
         main_ms = bare()
         thread_ms = on_thread(bare)
         engine = engine_run(model, batch_prompts, args.tokens, args.threads, flash)
+        http = [gateway_http(args.model, batch_prompts, args.tokens, args.threads, flash, source)
+                for source in sources]
         print(f"| {n_seq} | {_cell(main_ms, n_seq)} | {_cell(thread_ms, n_seq)} "
               f"| {_cell(engine.ms_per_step, n_seq)} | {engine.ms_per_step / main_ms:.2f}x "
-              f"| {engine.outside_decode:.1%} |")
+              f"| {engine.outside_decode:.1%} | "
+              + " | ".join(f"{_cell(ms, n_seq)} | {ms / main_ms:.2f}x" for ms in http) + " |")
     model.close()
 
 

@@ -35,8 +35,7 @@ def test_the_fit_starts_from_the_prior_and_never_goes_negative():
 
 @pytest.mark.parametrize("target", [0.0, 0.05, 0.15, 1.0])
 def test_the_budget_keeps_steps_within_the_target_and_prompts_moving(target):
-    scheduler = Scheduler(target, StepCostFit())
-    scheduler.fit.cost = TRUE_COST
+    scheduler = Scheduler(target, StepCostFit(prior=TRUE_COST))  # read before any step
     assert scheduler.prompt_budget(0, 512) == 512  # nobody waits: the whole batch
     for n_decode in range(1, 9):
         budget = scheduler.prompt_budget(n_decode, 512)
