@@ -53,6 +53,7 @@ from engine.messages import (
 )
 from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from engine.scheduler import Scheduler, StepCostFit
+from engine.speculation import MAX_DRAFT, Acceptance, PromptLookup, draft_row_worth
 from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class _Sequence:
     text: TextStream | None = None
     holds: list[int] = field(default_factory=list)  # leases kept for resuming after preemption
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet delivered
+    unsent: str = ""  # text of this step's tokens, delivered once the step is done with it
+    drafts: PromptLookup = field(default_factory=PromptLookup)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
 
     @property
     def n_generated(self) -> int:
@@ -146,6 +151,12 @@ class Engine:
         self._preemptions = 0
         self._shared_tokens = 0
         self._computed_tokens = 0
+        self._drafted_tokens = 0
+        self._accepted_tokens = 0
+        # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
+        # window cache, which forgets the positions the draft's end has passed.
+        self.speculation = config.speculation and not model.has_recurrent_state and \
+            (model.n_swa == 0 or config.swa_full)
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against the engine stopping or dying
         self.failure: str | None = None  # why the engine thread died, if it did
@@ -239,8 +250,12 @@ class Engine:
                 for seq in list(self._running):
                     self._finish(seq, Output(error=str(exc)))
                 return
+        # Drafts count with the prompt tokens: rows beside the decodes, costing about as much.
         n_decode = sum(1 for seq, _, _ in entries if seq.pending == 1)
         for seq, n_tokens, batch_index in entries:
+            if seq.draft:
+                self._verify(seq, batch_index)
+                continue
             if seq.n_generated == 0:
                 self._computed_tokens += n_tokens
             seq.n_past += n_tokens
@@ -383,12 +398,13 @@ class Engine:
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
             victim = self._preempt_newest()
             decoding = [seq for seq in decoding if seq is not victim]
-        plan = [(seq, seq.tokens[-1:]) for seq in decoding]
+        plan = self._decode_rows(decoding)
+        n_rows = sum(len(tokens) for _, tokens in plan)
         prompting = len(plan) < len(self._running)  # some sequences have prompt tokens left
-        budget = self.scheduler.prompt_budget(len(plan), self._batch.capacity) if prompting \
+        budget = self.scheduler.prompt_budget(n_rows, self._batch.capacity) if prompting \
             else 0
         if self.unified:
-            budget = min(budget, self.cells.free - len(plan))
+            budget = min(budget, self.cells.free - n_rows)
         prompt_tokens = 0
         for seq in self._running:
             if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
@@ -404,10 +420,35 @@ class Engine:
         self._batch.clear()
         entries = []
         for seq, tokens in plan:
-            wants_logits = seq.n_past + len(tokens) == len(seq.tokens)
-            index = self._batch.add(tokens, seq.n_past, seq.slot, wants_logits)
-            entries.append((seq, len(tokens), index if wants_logits else None))
+            # The draft, past the known tokens, is verified: a row of logits for each position.
+            n_logits = len(seq.draft) + 1 if seq.draft else \
+                int(seq.n_past + len(tokens) == len(seq.tokens))
+            index = self._batch.add(tokens, seq.n_past, seq.slot, n_logits)
+            entries.append((seq, len(tokens), index if n_logits else None))
         return entries
+
+    def _decode_rows(self, decoding: list[_Sequence]) -> list[tuple[_Sequence, list[int]]]:
+        """Each decoding sequence's last token, and when speculating its draft after it, within
+        what the batch and the free cells leave beside the other sequences' tokens."""
+        room = self._batch.capacity - len(decoding)
+        if self.unified:
+            room = min(room, self.cells.free - len(decoding))
+        worth = draft_row_worth(self.scheduler.fit.cost, len(decoding), 0) \
+            if self.speculation else 1.0
+        rows = []
+        for seq in decoding:
+            seq.draft = self._draft(seq, worth, room) if self.speculation else []
+            room -= len(seq.draft)
+            rows.append((seq, seq.tokens[-1:] + seq.draft))
+        return rows
+
+    def _draft(self, seq: _Sequence, worth: float, room: int) -> list[int]:
+        """The tokens the sequence's own text suggests will follow, as many as are likely
+        enough to be accepted to be `worth` their rows (engine/speculation.py)."""
+        limit = min(room, MAX_DRAFT, seq.request.max_tokens - seq.n_generated - 1,
+                    self.seq_len - len(seq.tokens))
+        n = seq.acceptance.length(worth, limit)
+        return seq.drafts.draft(seq.tokens, n) if n > 0 else []
 
     def _chunk_end(self, seq: _Sequence, budget: int) -> int:
         """Where the sequence's next prompt chunk ends. A recurrent model's state can be kept
@@ -443,37 +484,82 @@ class Engine:
         return victim
 
     def _sample(self, seq: _Sequence, batch_index: int) -> None:
-        request = seq.request
-        may_end = not request.ignore_eos and seq.n_generated >= request.min_tokens
-        token = seq.sampler.sample(self.ctx, batch_index, self._candidates, allow_eog=may_end)
         prompt_done = seq.n_generated == 0
+        if not self._add_token(seq, self._pick(seq, batch_index, 0), batch_index):
+            return
+        self._deliver_progress(seq, first=prompt_done)
+        if self.cache and prompt_done and not self.unified:
+            # Without shared cells, a request arriving meanwhile takes the prompt from the
+            # pool: store it as soon as the first token is out.
+            self.cache.store(seq.kv_tokens(), seq.request.namespace, seq.slot, final=False)
+
+    def _verify(self, seq: _Sequence, batch_index: int) -> None:
+        """The sequence's last token and its draft after it were computed, each with logits:
+        picks a token at every position in turn while the picks equal the draft. The pick
+        that differs (or follows the whole draft) is the step's last token; the cells of the
+        draft after it are dropped."""
+        draft, seq.draft = seq.draft, []
+        picks: list[int] = []
+        for i in range(len(draft) + 1):
+            picks.append(self._pick(seq, batch_index + i, i))
+            if i == len(draft) or picks[-1] != draft[i] or self.model.is_eog(picks[-1]):
+                break
+        accepted = len(picks) - 1
+        seq.acceptance.record(len(draft), accepted)
+        self._drafted_tokens += len(draft)
+        self._accepted_tokens += accepted
+        start = seq.n_past
+        self.ctx.cut(seq.slot, start + 1 + accepted)
+        self.cells.add(seq.slot, 1 + accepted)
+        for i, token in enumerate(picks):
+            seq.n_past = start + 1 + i  # the tokens before this pick, as a step apiece would
+            if not self._add_token(seq, token, batch_index + i):
+                return
+        if self.cache and self.cache.stores_eagerly:
+            self._store_completed_blocks(seq, 1 + accepted)
+        self._deliver_progress(seq, first=False)
+
+    def _pick(self, seq: _Sequence, batch_index: int, ahead: int) -> int:
+        """The sampler's token at a batch position, `ahead` tokens past the sequence's."""
+        request = seq.request
+        may_end = not request.ignore_eos and seq.n_generated + ahead >= request.min_tokens
+        return seq.sampler.sample(self.ctx, batch_index, self._candidates, allow_eog=may_end)
+
+    def _add_token(self, seq: _Sequence, token: int, batch_index: int) -> bool:
+        """Adds a picked token to the sequence; False when it ended the request."""
+        request = seq.request
         if self.model.is_eog(token):
             self._finish(seq, Output(text=seq.text.flush(), finish_reason="stop"))
-            return
+            return False
         seq.tokens.append(token)
         if request.logprobs is not None:  # sampling left the logits as the model gave them
             seq.logprobs.append(_token_logprob(self.ctx.logits(batch_index), token,
                                                request.logprobs))
-        text = seq.text.push(self.model.token_piece(token, token in request.shown_tokens))
+        seq.unsent += seq.text.push(self.model.token_piece(token, token in request.shown_tokens))
         if seq.text.stopped:
-            self._finish(seq, Output(text=text, finish_reason="stop",
-                                     stop_sequence=seq.text.stop_string))
+            self._finish(seq, Output(finish_reason="stop", stop_sequence=seq.text.stop_string))
         elif seq.n_generated >= request.max_tokens:
-            self._finish(seq, Output(text=text + seq.text.flush(), finish_reason="length"))
+            self._finish(seq, Output(text=seq.text.flush(), finish_reason="length"))
         else:
-            if text or prompt_done:  # the first says how much of the prompt was cached
-                seq.handle.deliver(Output(text=text, logprobs=_take(seq.logprobs),
-                                          n_generated=seq.n_generated,
-                                          cached_tokens=seq.cached if prompt_done else None))
-            if self.cache and prompt_done and not self.unified:
-                # Without shared cells, a request arriving meanwhile takes the prompt from the
-                # pool: store it as soon as the first token is out.
-                self.cache.store(seq.kv_tokens(), request.namespace, seq.slot, final=False)
+            return True
+        return False
+
+    def _deliver_progress(self, seq: _Sequence, first: bool) -> None:
+        """The step's text of a running request, in one output; the first also says how much
+        of the prompt was cached."""
+        if seq.unsent or first:
+            seq.handle.deliver(Output(text=seq.unsent, logprobs=_take(seq.logprobs),
+                                      n_generated=seq.n_generated,
+                                      cached_tokens=seq.cached if first else None))
+            seq.unsent = ""
 
     def _finish(self, seq: _Sequence, output: Output) -> None:
         if self.cache and output.error is None and seq in self._running:
             # Prompt and answer, so that the next turn of a chat finds its history cached.
             self.cache.store(seq.kv_tokens(), seq.request.namespace, seq.slot, final=True)
+        if output.error is None:  # the text its last step made before the end
+            output = dataclasses.replace(output, text=seq.unsent + output.text)
+        seq.unsent = ""
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=seq.n_generated, cached_tokens=seq.cached)
         self._release(seq)  # before the client hears the end, so nothing of it is left then
@@ -494,6 +580,7 @@ class Engine:
     def _vacate(self, seq: _Sequence) -> None:
         """Frees the sequence's slot and its hold on cells."""
         self._running.remove(seq)
+        seq.draft = []
         self.ctx.forget(seq.slot)
         self.cells.forget(seq.slot)
         self._free_slots.append(seq.slot)
@@ -512,7 +599,8 @@ class Engine:
             running=len(self._running), waiting=len(self._waiting),
             cells_used=self.cells.used, cells_total=self.cells.n_cells,
             preemptions=self._preemptions, shared_tokens=self._shared_tokens,
-            computed_tokens=self._computed_tokens,
+            computed_tokens=self._computed_tokens, drafted_tokens=self._drafted_tokens,
+            accepted_tokens=self._accepted_tokens,
             cache=dataclasses.replace(cache.stats) if cache else None)
         if self._on_publish:
             self._on_publish(self.snapshot)

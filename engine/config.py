@@ -48,6 +48,8 @@ class EngineConfig:
     # The time between a running stream's tokens that prompt chunks beside it may stretch a
     # step to (engine/scheduler.py).
     target_tpot_ms: float = 250
+    # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
+    speculation: bool = False
     cache: CacheConfig = CacheConfig()
 
     def context_shape(self) -> ContextShape:

@@ -287,19 +287,20 @@ class Batch:
     def clear(self) -> None:
         self.raw.n_tokens = 0
 
-    def add(self, tokens: list[int], first_pos: int, seq_id: int, logits_for_last: bool) -> int:
-        """Append consecutive tokens of one sequence; returns the batch index of the last one."""
+    def add(self, tokens: list[int], first_pos: int, seq_id: int, n_logits: int) -> int:
+        """Append consecutive tokens of one sequence, the last `n_logits` of them with logits;
+        returns the batch index of the first of those."""
         start, end = self.raw.n_tokens, self.raw.n_tokens + len(tokens)
         if end > self.capacity:
             raise ValueError("batch overflow")
         self._tokens[start:end] = tokens
         self._pos[start:end] = np.arange(first_pos, first_pos + len(tokens))
         self._logits[start:end] = 0
-        self._logits[end - 1] = logits_for_last
+        self._logits[end - n_logits: end] = 1
         for i in range(start, end):
             self.raw.seq_id[i][0] = seq_id
         self.raw.n_tokens = end
-        return end - 1
+        return end - n_logits
 
     def close(self) -> None:
         lc.llama_batch_free(self.raw)

@@ -129,6 +129,8 @@ class EngineSnapshot:
     preemptions: int = 0
     shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
     computed_tokens: int = 0  # prompt tokens prefilled: neither shared nor loaded
+    drafted_tokens: int = 0  # draft tokens verified (engine/speculation.py)
+    accepted_tokens: int = 0  # of those, the ones accepted
     cache: CacheStats | None = None
 
 

@@ -166,6 +166,12 @@ def _engine_totals(snaps: list[EngineSnapshot]):
     yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
                               "Prompt tokens taken from live sequences' cells (seq_cp)",
                               value=total("shared_tokens"))
+    yield CounterMetricFamily("prefixgate_speculative_drafted_tokens",
+                              "Draft tokens verified (--speculation)",
+                              value=total("drafted_tokens"))
+    yield CounterMetricFamily("prefixgate_speculative_accepted_tokens",
+                              "Draft tokens accepted: output tokens that took no step of "
+                              "their own", value=total("accepted_tokens"))
 
 
 def _cache_counters(stats: list[CacheStats]):

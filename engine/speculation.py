@@ -1,0 +1,106 @@
+"""Speculative decoding: tokens drafted from text already at hand, verified in the step's batch.
+
+A generating sequence whose last tokens appeared before, in its prompt or its own output, may
+well go on as it did then (code rewritten with a small change, a passage quoted, JSON copied).
+Those following tokens are the draft: the step computes them after the sequence's last token,
+each with its logits, and the sampler picks a token at every position in turn, exactly as it
+would one step after another. While its pick equals the draft, the draft's KV is the KV of the
+picked token and the next position's logits are valid; at the first difference the pick is the
+step's last token and the rest of the draft is dropped. So the output is the one the model
+gives without drafts (up to the rounding of a bigger batch), greedy or sampled alike, with the
+same random draws in the same order.
+
+A draft token costs a row of the step, which every running stream waits for, and pays only if
+accepted. Its length follows the request's own acceptance and the step's cost, so that drafting
+backs off by itself when many streams run or the drafts keep failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.scheduler import StepCost
+
+# The n-grams a draft is looked up by, longest first: a longer match predicts better.
+NGRAM_SIZES = (4, 3, 2)
+MAX_DRAFT = 16  # tokens verified at once for one sequence
+FADE = 0.8  # the weight a verification's count keeps at each later one
+PROBE_AFTER = 8  # steps without drafts before a one-token probe; doubled while probes fail
+MAX_PROBE_AFTER = 256
+
+
+@dataclass
+class PromptLookup:
+    """Drafts for one sequence from its own tokens (prompt lookup decoding): what followed the
+    latest earlier occurrence of its last n tokens. Indexed as the tokens grow, so a lookup
+    costs a dictionary access whatever the length."""
+
+    # n -> an n-gram -> where the tokens after its latest occurrence start
+    _index: dict[int, dict[tuple[int, ...], int]] = field(
+        default_factory=lambda: {n: {} for n in NGRAM_SIZES})
+    _indexed: int = 0  # tokens whose preceding n-grams are indexed
+
+    def draft(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens likely to follow `tokens`; none when nothing matches."""
+        self._catch_up(tokens)
+        for n in NGRAM_SIZES:
+            start = self._index[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start: start + limit]
+        return []
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        # The n-gram ending just before position i is followed by the tokens from i on; the
+        # last n-gram has nothing after it yet, so it is indexed once the next token comes.
+        for i in range(max(self._indexed, 1), len(tokens)):
+            for n in NGRAM_SIZES:
+                if i >= n:
+                    self._index[n][tuple(tokens[i - n: i])] = i
+        self._indexed = len(tokens)
+
+
+@dataclass
+class Acceptance:
+    """How often a request's draft tokens are accepted, once the one before was: a rate over
+    its recent verifications (older ones fade), starting from a prior worth a few. When the
+    rate says no draft is worth its rows, a one-token draft still probes now and then, less
+    often the longer they fail, so that a request whose answer starts copying late (after a
+    preamble) still gets drafts."""
+
+    accepted: float = 1.0
+    tried: float = 2.0
+    idle: int = 0  # steps without a draft since the last one
+    probe_after: int = PROBE_AFTER
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens of which the first `accepted` were accepted:
+        each up to the first rejected one was a trial."""
+        self.accepted = self.accepted * FADE + accepted
+        self.tried = self.tried * FADE + min(accepted + 1, drafted)
+        self.idle = 0
+        self.probe_after = PROBE_AFTER if accepted else min(self.probe_after * 2, MAX_PROBE_AFTER)
+
+    def length(self, worth: float, limit: int) -> int:
+        """The longest draft whose last token is still likely enough to be accepted (the
+        j-th with probability rate^j) to be `worth` its row; or a probe of one."""
+        n, p = 0, self.rate
+        while n < limit and p >= worth:
+            n, p = n + 1, p * self.rate
+        if n == 0 and limit > 0:
+            self.idle += 1
+            if self.idle >= self.probe_after:
+                return 1
+        return n
+
+
+def draft_row_worth(cost: StepCost, n_decode: int, n_prompt: int) -> float:
+    """The acceptance chance at which one more draft row pays for itself. The row lengthens
+    the step for all n_decode streams by about a prompt token's cost (drafts are fitted with
+    them); accepted, it saves its own stream a whole step. Over the machine's work that is
+    worth it when chance x step time > n_decode x row cost: with many streams, almost never."""
+    step = cost.seconds(n_decode, n_prompt)
+    return min(1.0, n_decode * cost.per_prompt / step) if step > 0 else 1.0

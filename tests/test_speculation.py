@@ -1,0 +1,221 @@
+"""Speculative decoding (engine/speculation.py): tokens drafted from the request's own text and
+verified in the step's batch. The output is the one without drafts: greedy and seeded sampling
+alike, in both engine modes, with grammars, through the gateway as in the engine; and rejected
+drafts, cancellations and preemption leave no cell or block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig
+from engine.messages import GenerationRequest, SamplerSettings
+from engine.scheduler import PRIOR, StepCost
+from engine.speculation import Acceptance, PromptLookup, draft_row_worth
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import DEFAULT_ARGS, openai_client
+from tests.local_engine import LocalEngine
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    a, b = 0, 1
+    for _ in range(n - 1):
+        a, b = b, a + b
+    return b
+
+
+def factorial(n):
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+'''
+RECORD = {"id": 4182, "name": "Ada Lovelace", "email": "ada@example.org",
+          "roles": ["admin", "editor"], "address": {"city": "London", "zip": "NW1 6XE"}}
+# Workloads whose answers repeat their prompts: an edit of a file, and a JSON record copied.
+CHATS = {
+    "edit": [{"role": "user", "content": "Repeat this Python code exactly, but rename "
+                                         f"fibonacci to fib:\n\n{CODE}"}],
+    "json": [{"role": "user", "content": "Copy this JSON record exactly, as JSON:\n"
+                                         + json.dumps(RECORD, indent=2)}],
+}
+
+
+# ----- drafts and their length ---------------------------------------------------------------
+
+def test_a_draft_is_what_followed_the_latest_occurrence():
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 0, 1, 2, 3]
+    assert PromptLookup().draft(tokens, 2) == [7, 8]  # the later 1 2 3, not the first
+    assert PromptLookup().draft(tokens, 10) == [7, 8, 6, 0, 1, 2, 3]  # up to the end
+
+
+def test_the_longest_matching_ngram_chooses():
+    # "3 4" was followed by 5, but "2 3 4" (longer) by 6.
+    tokens = [2, 3, 4, 6, 0, 9, 3, 4, 5, 1, 2, 3, 4]
+    assert PromptLookup().draft(tokens, 1) == [6]
+
+
+def test_no_match_no_draft_and_the_index_grows_with_the_tokens():
+    lookup = PromptLookup()
+    tokens = [5, 6, 7, 8]
+    assert lookup.draft(tokens, 4) == []
+    tokens += [5, 6]
+    assert lookup.draft(tokens, 4) == [7, 8, 5, 6]
+
+
+def test_draft_length_follows_acceptance():
+    acceptance = Acceptance()
+    start = acceptance.length(0.4, 16)
+    for _ in range(5):
+        acceptance.record(drafted=8, accepted=8)
+    assert acceptance.length(0.4, 16) > start
+    assert acceptance.length(0.4, 3) == 3  # never past its limit
+    failing = Acceptance()
+    for _ in range(4):
+        failing.record(drafted=2, accepted=0)
+    assert failing.length(0.4, 16) == 0  # drafts that keep failing stop
+
+
+def test_a_draft_row_must_be_likelier_the_more_streams_wait_for_the_step():
+    cost = StepCost(fixed=0.008, per_decode=0.006, per_prompt=0.004)
+    worth = [draft_row_worth(cost, n, 0) for n in (1, 2, 4, 8, 16)]
+    assert worth == sorted(worth) and worth[0] < 0.5 < worth[-1] <= 1.0
+    assert draft_row_worth(PRIOR, 1, 0) < draft_row_worth(PRIOR, 8, 0)
+
+
+# ----- the engine ------------------------------------------------------------------------------
+
+def _chat_tokens(local_model, messages) -> list[int]:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return local_model.tokenize(text + "<|im_start|>assistant\n", add_special=True,
+                                parse_special=True)
+
+
+def _generate(local_model, config: EngineConfig, requests: list[GenerationRequest],
+              cancel_after: int | None = None, together: bool = True):
+    """Each request's generated tokens (all at once on one engine, or one after another),
+    its outputs, and the engine's last snapshot; with `cancel_after`, the last request is
+    abandoned after that many outputs. Asserts that nothing is left held."""
+    local = LocalEngine.start(local_model, config)
+
+    async def one(request, cancel):
+        handle = local.submit(request)
+        outputs = []
+        async for output in handle.outputs():
+            outputs.append(output)
+            if cancel is not None and len(outputs) == cancel:
+                handle.cancel()
+                break
+        return outputs
+
+    async def run():
+        if not together:
+            return [await one(r, None) for r in requests]
+        return await asyncio.gather(*(one(r, cancel_after if i == len(requests) - 1 else None)
+                                      for i, r in enumerate(requests)))
+    try:
+        outputs = asyncio.run(run())
+        snapshot = local.settled()
+        if local.index is not None:
+            local.assert_released()
+        assert local.engine.cells.used == 0
+    finally:
+        local.stop()
+    return [o[-1].generated for o in outputs], outputs, snapshot
+
+
+def _greedy(prompt: list[int], max_tokens: int = 120, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt, max_tokens=max_tokens,
+                             sampler=SamplerSettings(temperature=0.0, **kw))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_greedy_output_is_the_same_with_drafts(local_model, deterministic):
+    """The default mode's output is a request's own when it runs alone (beside others, the
+    batch's shape rounds its logits: README, Engine modes), so there one at a time; the
+    deterministic mode's whatever runs beside it, so there all at once."""
+    requests = [_greedy(_chat_tokens(local_model, chat)) for chat in CHATS.values()]
+    config = EngineConfig(deterministic=deterministic, cache=CacheConfig(budget_mb=64))
+    plain, _, _ = _generate(local_model, config, requests, together=deterministic)
+    drafted, outputs, snapshot = _generate(
+        local_model, EngineConfig(deterministic=deterministic, speculation=True,
+                                  cache=CacheConfig(budget_mb=64)), requests,
+        together=deterministic)
+    assert drafted == plain
+    assert snapshot.accepted_tokens > 20 and snapshot.drafted_tokens >= snapshot.accepted_tokens
+    # Several accepted tokens arrive in one output: fewer outputs than tokens.
+    assert any(len(o) < len(tokens) for o, tokens in zip(outputs, drafted, strict=True))
+
+
+def test_seeded_sampling_is_the_same_with_drafts(local_model):
+    """A pick at each position in turn, as step by step: the same random draws in order."""
+    prompt = _chat_tokens(local_model, CHATS["json"])
+    requests = [GenerationRequest(prompt, max_tokens=80, sampler=SamplerSettings(
+        temperature=0.7, top_p=0.95, seed=seed)) for seed in (1, 2, 3)]
+    config = EngineConfig(cache=CacheConfig(enabled=False))
+    plain, _, _ = _generate(local_model, config, requests, together=False)
+    drafted, _, snapshot = _generate(local_model, EngineConfig(
+        speculation=True, cache=CacheConfig(enabled=False)), requests, together=False)
+    assert drafted == plain and snapshot.accepted_tokens > 0
+
+
+def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
+    # Six copies of the edit want ~2,000 cells; the context has 768: requests are preempted
+    # with drafts planned, and the last is cancelled after a few outputs.
+    requests = [_greedy(_chat_tokens(local_model, [
+        {"role": "system", "content": f"You are assistant number {i}."}, *CHATS["edit"]]),
+        max_tokens=100) for i in range(6)]
+    config = EngineConfig(parallel=6, ctx_size=768, batch_tokens=128, speculation=True,
+                          cache=CacheConfig(budget_mb=64, block_size=16))
+    generated, outputs, snapshot = _generate(local_model, config, requests, cancel_after=3)
+    assert snapshot.preemptions > 0 and snapshot.accepted_tokens > 0
+    assert all(len(tokens) == 100 or o[-1].finish_reason == "stop"
+               for tokens, o in zip(generated[:-1], outputs[:-1], strict=True))
+
+
+# ----- through the gateway ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def speculating(model_path):
+    server = GatewayProcess(model_path, *DEFAULT_ARGS, "--speculation", "on")
+    yield server
+    server.stop()
+
+
+def _stream_chat(server: GatewayProcess, messages, **extra) -> tuple[str, int]:
+    stream = openai_client(server).chat.completions.create(
+        model=server.model_name, messages=messages, max_tokens=120, temperature=0,
+        stream=True, stream_options={"include_usage": True}, **extra)
+    text, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(text), usage.completion_tokens
+
+
+@pytest.mark.parametrize("workload", list(CHATS))
+def test_streamed_answers_equal_the_gateway_without_drafts(speculating, uncached_gateway,
+                                                           workload):
+    got = _stream_chat(speculating, CHATS[workload])
+    assert got == _stream_chat(uncached_gateway, CHATS[workload])
+    assert speculating.metrics()["prefixgate_speculative_accepted_tokens_total"] > 0
+
+
+def test_json_schema_output_stays_valid_with_drafts(speculating):
+    schema = {"type": "object", "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string"},
+        "roles": {"type": "array", "items": {"type": "string"}}},
+        "required": ["id", "name", "email", "roles"]}
+    before = speculating.metrics()["prefixgate_speculative_accepted_tokens_total"]
+    for _ in range(2):
+        text, _ = _stream_chat(speculating, CHATS["json"], response_format={
+            "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
+        record = json.loads(text)
+        assert set(schema["required"]) <= set(record)
+    assert speculating.metrics()["prefixgate_speculative_accepted_tokens_total"] > before
+    speculating.settled()
