@@ -49,7 +49,7 @@ class EngineConfig:
     # step to (engine/scheduler.py).
     target_tpot_ms: float = 250
     # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
-    speculation: bool = False
+    speculation: bool = True
     cache: CacheConfig = CacheConfig()
 
     def context_shape(self) -> ContextShape:

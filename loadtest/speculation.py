@@ -125,20 +125,31 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, default=ROOT / ".bench" / "llama-server")
+    parser.add_argument("--systems", nargs="+", default=None,
+                        help="only these (names as printed); the first is the ratios' base")
+    parser.add_argument("--no-edit", action="store_true", help="the unique prompts only")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="every system this many times, in turn (noise shows)")
     args = parser.parse_args()
     model = Model(str(args.model), vocab_only=True)
     loads = workloads(model, args.runs, args.concurrency)
     results: dict[str, dict[str, float]] = {}
-    for name, start in systems(args.model, args.threads, args.llama_server).items():
-        server = start()
-        try:
-            results[name] = {w.name: asyncio.run(run(server.base_url, args.model.stem, w))
-                             for w in loads}
-        finally:
-            server.stop()
-        print(f"{name}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in results[name].items()),
-              flush=True)
-    base = results["prefixgate"]
+    found = systems(args.model, args.threads, args.llama_server)
+    chosen = {name: found[name] for name in args.systems or found}
+    if args.no_edit:
+        loads = [w for w in loads if w.name != "edit"]
+    for round_ in range(1, args.rounds + 1):
+        for name, start in chosen.items():
+            label = f"{name} (round {round_})" if args.rounds > 1 else name
+            server = start()
+            try:
+                results[label] = {w.name: asyncio.run(run(server.base_url, args.model.stem, w))
+                                  for w in loads}
+            finally:
+                server.stop()
+            print(f"{label}: " + ", ".join(f"{k} {v:.1f} tok/s"
+                                           for k, v in results[label].items()), flush=True)
+    base = next(iter(results.values()))
     print("\n| system | " + " | ".join(w.name for w in loads) + " |")
     print("|---" * (len(loads) + 1) + "|")
     for name, row in results.items():

@@ -38,7 +38,7 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a l
 THREADS = os.cpu_count()  # the gateway's --threads
 # mode -> (the gateway's extra flags, llama-cpp-python's flash_attn)
 MODES = {"default": ((), True), "--no-flash-attn": (("--no-flash-attn",), False),
-         "--speculation on": (("--speculation", "on"), True)}
+         "--speculation off": (("--speculation", "off"), True)}
 N_BATCH = 512  # llama-cpp-python's prefill chunk, and the engine's --batch-tokens
 FA_TILE_ROWS = 64  # llama.cpp's CPU flash attention is tiled from this many query rows on
 

@@ -15,7 +15,7 @@ from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import PRIOR, StepCost
 from engine.speculation import Acceptance, PromptLookup, draft_row_worth
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import DEFAULT_ARGS, openai_client
+from tests.conftest import DEFAULT_ARGS, openai_client, serve
 from tests.local_engine import LocalEngine
 
 CODE = '''def fibonacci(n):
@@ -139,7 +139,8 @@ def test_greedy_output_is_the_same_with_drafts(local_model, deterministic):
     batch's shape rounds its logits: README, Engine modes), so there one at a time; the
     deterministic mode's whatever runs beside it, so there all at once."""
     requests = [_greedy(_chat_tokens(local_model, chat)) for chat in CHATS.values()]
-    config = EngineConfig(deterministic=deterministic, cache=CacheConfig(budget_mb=64))
+    config = EngineConfig(deterministic=deterministic, speculation=False,
+                          cache=CacheConfig(budget_mb=64))
     plain, _, _ = _generate(local_model, config, requests, together=deterministic)
     drafted, outputs, snapshot = _generate(
         local_model, EngineConfig(deterministic=deterministic, speculation=True,
@@ -156,7 +157,7 @@ def test_seeded_sampling_is_the_same_with_drafts(local_model):
     prompt = _chat_tokens(local_model, CHATS["json"])
     requests = [GenerationRequest(prompt, max_tokens=80, sampler=SamplerSettings(
         temperature=0.7, top_p=0.95, seed=seed)) for seed in (1, 2, 3)]
-    config = EngineConfig(cache=CacheConfig(enabled=False))
+    config = EngineConfig(speculation=False, cache=CacheConfig(enabled=False))
     plain, _, _ = _generate(local_model, config, requests, together=False)
     drafted, _, snapshot = _generate(local_model, EngineConfig(
         speculation=True, cache=CacheConfig(enabled=False)), requests, together=False)
@@ -181,9 +182,12 @@ def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
 
 @pytest.fixture(scope="module")
 def speculating(model_path):
-    server = GatewayProcess(model_path, *DEFAULT_ARGS, "--speculation", "on")
-    yield server
-    server.stop()
+    yield from serve(model_path, *DEFAULT_ARGS, "--speculation", "on")
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    yield from serve(model_path, *DEFAULT_ARGS, "--speculation", "off")
 
 
 def _stream_chat(server: GatewayProcess, messages, **extra) -> tuple[str, int]:
@@ -199,10 +203,9 @@ def _stream_chat(server: GatewayProcess, messages, **extra) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("workload", list(CHATS))
-def test_streamed_answers_equal_the_gateway_without_drafts(speculating, uncached_gateway,
-                                                           workload):
+def test_streamed_answers_equal_the_gateway_without_drafts(speculating, plain, workload):
     got = _stream_chat(speculating, CHATS[workload])
-    assert got == _stream_chat(uncached_gateway, CHATS[workload])
+    assert got == _stream_chat(plain, CHATS[workload])
     assert speculating.metrics()["prefixgate_speculative_accepted_tokens_total"] > 0
 
 
