@@ -53,7 +53,13 @@ from engine.messages import (
 )
 from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from engine.scheduler import Scheduler, StepCostFit
-from engine.speculation import MAX_DRAFT, Acceptance, PromptLookup, draft_row_worth
+from engine.speculation import (
+    MAX_DRAFT,
+    SOURCES,
+    Drafter,
+    PredictedOutput,
+    draft_row_worth,
+)
 from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -94,9 +100,9 @@ class _Sequence:
     holds: list[int] = field(default_factory=list)  # leases kept for resuming after preemption
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet delivered
     unsent: str = ""  # text of this step's tokens, delivered once the step is done with it
-    drafts: PromptLookup = field(default_factory=PromptLookup)
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    drafter: Drafter = field(default_factory=Drafter)
     draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
+    predicted: list[int] = field(default_factory=lambda: [0, 0])  # accepted, rejected
 
     @property
     def n_generated(self) -> int:
@@ -151,8 +157,7 @@ class Engine:
         self._preemptions = 0
         self._shared_tokens = 0
         self._computed_tokens = 0
-        self._drafted_tokens = 0
-        self._accepted_tokens = 0
+        self._drafts = {source: [0, 0] for source in SOURCES}  # drafted, accepted
         # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
         # window cache, which forgets the positions the draft's end has passed.
         self.speculation = config.speculation and not model.has_recurrent_state and \
@@ -177,6 +182,8 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: OutputSink, pool_hint: int = 0) -> None:
         seq = _Sequence(request, sink, np.asarray(request.prompt_tokens, dtype=np.int32),
                         list(request.prompt_tokens), pool_hint=pool_hint)
+        if request.prediction:
+            seq.drafter.prediction = PredictedOutput(list(request.prediction))
         with self._lock:
             if self.failure or self._stopping:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
@@ -447,8 +454,7 @@ class Engine:
         enough to be accepted to be `worth` their rows (engine/speculation.py)."""
         limit = min(room, MAX_DRAFT, seq.request.max_tokens - seq.n_generated - 1,
                     self.seq_len - len(seq.tokens))
-        n = seq.acceptance.length(worth, limit)
-        return seq.drafts.draft(seq.tokens, n) if n > 0 else []
+        return seq.drafter.draft(seq.tokens, seq.n_generated, worth, limit)
 
     def _chunk_end(self, seq: _Sequence, budget: int) -> int:
         """Where the sequence's next prompt chunk ends. A recurrent model's state can be kept
@@ -505,9 +511,13 @@ class Engine:
             if i == len(draft) or picks[-1] != draft[i] or self.model.is_eog(picks[-1]):
                 break
         accepted = len(picks) - 1
-        seq.acceptance.record(len(draft), accepted)
-        self._drafted_tokens += len(draft)
-        self._accepted_tokens += accepted
+        seq.drafter.record(len(draft), accepted)
+        counts = self._drafts[seq.drafter.source]
+        counts[0] += len(draft)
+        counts[1] += accepted
+        if seq.drafter.source == "prediction":
+            seq.predicted[0] += accepted
+            seq.predicted[1] += len(draft) - accepted
         start = seq.n_past
         self.ctx.cut(seq.slot, start + 1 + accepted)
         self.cells.add(seq.slot, 1 + accepted)
@@ -561,7 +571,9 @@ class Engine:
             output = dataclasses.replace(output, text=seq.unsent + output.text)
         seq.unsent = ""
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
-                      completion_tokens=seq.n_generated, cached_tokens=seq.cached)
+                      completion_tokens=seq.n_generated, cached_tokens=seq.cached,
+                      accepted_prediction_tokens=seq.predicted[0],
+                      rejected_prediction_tokens=seq.predicted[1])
         self._release(seq)  # before the client hears the end, so nothing of it is left then
         seq.handle.deliver(dataclasses.replace(
             output, usage=usage, generated=tuple(seq.tokens[len(seq.request.prompt_tokens):]),
@@ -599,8 +611,8 @@ class Engine:
             running=len(self._running), waiting=len(self._waiting),
             cells_used=self.cells.used, cells_total=self.cells.n_cells,
             preemptions=self._preemptions, shared_tokens=self._shared_tokens,
-            computed_tokens=self._computed_tokens, drafted_tokens=self._drafted_tokens,
-            accepted_tokens=self._accepted_tokens,
+            computed_tokens=self._computed_tokens,
+            drafts=tuple((source, *counts) for source, counts in self._drafts.items()),
             cache=dataclasses.replace(cache.stats) if cache else None)
         if self._on_publish:
             self._on_publish(self.snapshot)

@@ -60,6 +60,7 @@ class GenerationRequest:
     # Special tokens whose text the output keeps: a chat format's markers (harmony's
     # <|channel|>, Mistral's [TOOL_CALLS]), as llama-server keeps its "preserved tokens".
     shown_tokens: frozenset[int] = frozenset()
+    prediction: tuple[int, ...] = ()  # the output the client expects, drafted from
 
 
 class EngineUnavailable(RuntimeError):
@@ -72,6 +73,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Predicted Outputs, as OpenAI counts them: prediction tokens the output took, and
+    # those it did not (drafted and rejected)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,8 @@ class EngineSnapshot:
     preemptions: int = 0
     shared_tokens: int = 0  # prompt tokens taken from live sequences' cells
     computed_tokens: int = 0  # prompt tokens prefilled: neither shared nor loaded
-    drafted_tokens: int = 0  # draft tokens verified (engine/speculation.py)
-    accepted_tokens: int = 0  # of those, the ones accepted
+    # Per draft source (engine/speculation.py): (source, tokens verified, tokens accepted)
+    drafts: tuple[tuple[str, int, int], ...] = ()
     cache: CacheStats | None = None
 
 

@@ -24,39 +24,67 @@ from engine.scheduler import StepCost
 # The n-grams a draft is looked up by, longest first: a longer match predicts better.
 NGRAM_SIZES = (4, 3, 2)
 MAX_DRAFT = 16  # tokens verified at once for one sequence
+SOURCES = ("prompt", "prediction")  # the request's own text; the client's predicted output
 FADE = 0.8  # the weight a verification's count keeps at each later one
 PROBE_AFTER = 8  # steps without drafts before a one-token probe; doubled while probes fail
 MAX_PROBE_AFTER = 256
 
 
 @dataclass
-class PromptLookup:
-    """Drafts for one sequence from its own tokens (prompt lookup decoding): what followed the
-    latest earlier occurrence of its last n tokens. Indexed as the tokens grow, so a lookup
-    costs a dictionary access whatever the length."""
+class NgramIndex:
+    """Where each n-gram of a token list (its corpus) occurs last, with tokens after it;
+    indexed as the corpus grows, so a lookup costs a dictionary access whatever its length."""
 
     # n -> an n-gram -> where the tokens after its latest occurrence start
     _index: dict[int, dict[tuple[int, ...], int]] = field(
         default_factory=lambda: {n: {} for n in NGRAM_SIZES})
-    _indexed: int = 0  # tokens whose preceding n-grams are indexed
+    _indexed: int = 0  # corpus tokens whose preceding n-grams are indexed
 
-    def draft(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to `limit` tokens likely to follow `tokens`; none when nothing matches."""
-        self._catch_up(tokens)
+    def follow(self, context: list[int], corpus: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens of `corpus` that followed the latest occurrence of the longest
+        n-gram ending `context`; none when it never occurred."""
+        self._catch_up(corpus)
         for n in NGRAM_SIZES:
-            start = self._index[n].get(tuple(tokens[-n:]))
+            start = self._index[n].get(tuple(context[-n:]))
             if start is not None:
-                return tokens[start: start + limit]
+                return corpus[start: start + limit]
         return []
 
-    def _catch_up(self, tokens: list[int]) -> None:
+    def _catch_up(self, corpus: list[int]) -> None:
         # The n-gram ending just before position i is followed by the tokens from i on; the
         # last n-gram has nothing after it yet, so it is indexed once the next token comes.
-        for i in range(max(self._indexed, 1), len(tokens)):
+        for i in range(max(self._indexed, 1), len(corpus)):
             for n in NGRAM_SIZES:
                 if i >= n:
-                    self._index[n][tuple(tokens[i - n: i])] = i
-        self._indexed = len(tokens)
+                    self._index[n][tuple(corpus[i - n: i])] = i
+        self._indexed = len(corpus)
+
+
+@dataclass
+class PromptLookup:
+    """Drafts for one sequence from its own tokens (prompt lookup decoding): what followed the
+    latest earlier occurrence of its last n tokens, in its prompt or its output."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+
+    def draft(self, tokens: list[int], limit: int) -> list[int]:
+        return self.index.follow(tokens, tokens, limit)
+
+
+@dataclass
+class PredictedOutput:
+    """Drafts from the answer the client predicted (OpenAI's Predicted Outputs): while the
+    output follows the prediction from its start, the rest of it; once they part, what
+    follows the output's last tokens in the prediction (an edit rejoins the unchanged text)."""
+
+    tokens: list[int]
+    index: NgramIndex = field(default_factory=NgramIndex)
+
+    def draft(self, tokens: list[int], n_generated: int, limit: int) -> list[int]:
+        generated = tokens[len(tokens) - n_generated:]
+        if generated == self.tokens[:n_generated]:
+            return self.tokens[n_generated: n_generated + limit]
+        return self.index.follow(tokens, self.tokens, limit)
 
 
 @dataclass
@@ -95,6 +123,33 @@ class Acceptance:
             if self.idle >= self.probe_after:
                 return 1
         return n
+
+
+@dataclass
+class Drafter:
+    """One sequence's draft sources, the client's prediction first, each with its own
+    acceptance; `source` names the one of the draft being verified."""
+
+    prediction: PredictedOutput | None = None
+    lookup: PromptLookup = field(default_factory=PromptLookup)
+    # A prediction is the client's word that the output will be this: trusted from the start.
+    acceptance: dict[str, Acceptance] = field(default_factory=lambda: {
+        "prediction": Acceptance(accepted=9.0, tried=10.0), "prompt": Acceptance()})
+    source: str = "prompt"
+
+    def draft(self, tokens: list[int], n_generated: int, worth: float, limit: int) -> list[int]:
+        if self.prediction is not None:
+            n = self.acceptance["prediction"].length(worth, limit)
+            drafted = self.prediction.draft(tokens, n_generated, n) if n else []
+            if drafted:
+                self.source = "prediction"
+                return drafted
+        self.source = "prompt"
+        n = self.acceptance["prompt"].length(worth, limit)
+        return self.lookup.draft(tokens, n) if n else []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.acceptance[self.source].record(drafted, accepted)
 
 
 def draft_row_worth(cost: StepCost, n_decode: int, n_prompt: int) -> float:

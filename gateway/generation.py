@@ -330,7 +330,9 @@ def total_usage(choices: list[Choice]) -> Usage:
     """The prompt once, every choice's completion tokens."""
     usages = [c.usage for c in choices if c.usage]
     return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
-                 usages[0].cached_tokens)
+                 usages[0].cached_tokens,
+                 sum(u.accepted_prediction_tokens for u in usages),
+                 sum(u.rejected_prediction_tokens for u in usages))
 
 
 async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: float | None,

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from cache.index import IndexSnapshot
 from cache.redis_tier import TierStats
 from engine.messages import CacheStats, EngineSnapshot, Output
+from engine.speculation import SOURCES
 from gateway.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
@@ -166,12 +167,19 @@ def _engine_totals(snaps: list[EngineSnapshot]):
     yield CounterMetricFamily("prefixgate_prefix_shared_tokens",
                               "Prompt tokens taken from live sequences' cells (seq_cp)",
                               value=total("shared_tokens"))
-    yield CounterMetricFamily("prefixgate_speculative_drafted_tokens",
-                              "Draft tokens verified (--speculation)",
-                              value=total("drafted_tokens"))
-    yield CounterMetricFamily("prefixgate_speculative_accepted_tokens",
-                              "Draft tokens accepted: output tokens that took no step of "
-                              "their own", value=total("accepted_tokens"))
+    drafted = CounterMetricFamily("prefixgate_speculative_drafted_tokens",
+                                  "Draft tokens verified (--speculation), by where they came "
+                                  "from: the request's own text or the client's prediction",
+                                  labels=["source"])
+    accepted = CounterMetricFamily("prefixgate_speculative_accepted_tokens",
+                                   "Draft tokens accepted: output tokens that took no step of "
+                                   "their own", labels=["source"])
+    for source in SOURCES:
+        counts = [(n, a) for s in snaps for name, n, a in s.drafts if name == source]
+        drafted.add_metric([source], sum(n for n, _ in counts))
+        accepted.add_metric([source], sum(a for _, a in counts))
+    yield drafted
+    yield accepted
 
 
 def _cache_counters(stats: list[CacheStats]):

@@ -4,6 +4,7 @@ generation path (gateway/generation.py), its outputs worded by gateway/openai_wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from aiohttp import web
 
@@ -81,6 +82,9 @@ def _planner(request: web.Request, body: ChatCompletionRequest | CompletionReque
             prompt_tokens, gateway.workers.seq_len, gateway.model.n_vocab,
             gateway.config.limits.max_tokens, request["namespace"], gateway.config.sampling,
             call_grammar_of(parser))
+        if predicted := body.predicted_text():
+            generation = dataclasses.replace(generation, prediction=tuple(
+                gateway.model.tokenize(predicted, add_special=False, parse_special=False)))
         # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
         pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()

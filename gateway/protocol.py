@@ -36,6 +36,17 @@ class TextPart(_Strict):
     text: str
 
 
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat, mostly."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content)
+
+
 class CalledFunction(_Strict):
     name: str
     arguments: str
@@ -153,6 +164,10 @@ class _Sampling(_Strict):
         """None: no logprobs; k: the chosen token's and the k likeliest alternatives."""
         return None
 
+    def predicted_text(self) -> str | None:
+        """The answer the client predicted, to draft from (chat's `prediction`)."""
+        return None
+
     def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
                       max_tokens_cap: int | None = None, namespace: str = "",
                       defaults: SamplingDefaults = NO_DEFAULTS,
@@ -234,6 +249,7 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    prediction: Prediction | None = None
 
     def _unsupported(self) -> dict[str, bool]:
         return super()._unsupported() | {
@@ -251,6 +267,9 @@ class ChatCompletionRequest(_Sampling):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def predicted_text(self) -> str | None:
+        return self.prediction.text() if self.prediction else None
 
     @functools.cached_property
     def toolbox(self) -> Toolbox | None:

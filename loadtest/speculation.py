@@ -6,6 +6,8 @@ without speculation and with its n-gram drafts, in one run.
 Workloads, greedy, each system in turn:
 - edit: "repeat this file, renaming one function" (a ~20-line Python file), `--runs` times one
   after another: the answer copies its prompt;
+- edit with prediction: the same, with the file as OpenAI's `prediction` (llama-server ignores
+  the field: its figure is its plain edit's);
 - unique: 8 prompts of ~256 tokens of unrelated text, 64 output tokens each, at each
   `--concurrency`: nothing to copy, so drafts can only cost.
 
@@ -60,13 +62,16 @@ class Workload:
     chats: list[list[dict]]
     concurrency: int
     max_tokens: int
+    extra: dict | None = None  # more fields of each request
 
 
 def workloads(model: Model, runs: int, levels: list[int]) -> list[Workload]:
     maker = TextMaker(model, seed=7)
     unique = [[{"role": "user", "content": maker.text(UNIQUE_TOKENS)}]
               for _ in range(UNIQUE_PROMPTS)]
+    prediction = {"prediction": {"type": "content", "content": FILE}}
     return [Workload("edit", [EDIT] * runs, 1, 400),
+            Workload("edit with prediction", [EDIT] * runs, 1, 400, prediction),
             *(Workload(f"unique, concurrency {c}", unique, c, UNIQUE_OUTPUT) for c in levels)]
 
 
@@ -99,7 +104,8 @@ async def run(url: str, model_id: str, workload: Workload) -> float:
     async def one(session: ClientSession, messages: list[dict]) -> int:
         async with limit:
             record, _ = await stream_chat(session, url, model_id, messages,
-                                          workload.max_tokens, {}, exact=False)
+                                          workload.max_tokens, workload.extra or {},
+                                          exact=False)
             if record.error:
                 raise RuntimeError(record.error)
             return record.output_tokens
@@ -137,7 +143,7 @@ def main() -> None:
     found = systems(args.model, args.threads, args.llama_server)
     chosen = {name: found[name] for name in args.systems or found}
     if args.no_edit:
-        loads = [w for w in loads if w.name != "edit"]
+        loads = [w for w in loads if not w.name.startswith("edit")]
     for round_ in range(1, args.rounds + 1):
         for name, start in chosen.items():
             label = f"{name} (round {round_})" if args.rounds > 1 else name

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import openai
 import pytest
 
 from engine.config import CacheConfig, EngineConfig
@@ -130,7 +131,36 @@ def _generate(local_model, config: EngineConfig, requests: list[GenerationReques
 
 def _greedy(prompt: list[int], max_tokens: int = 120, **kw) -> GenerationRequest:
     return GenerationRequest(prompt, max_tokens=max_tokens,
-                             sampler=SamplerSettings(temperature=0.0, **kw))
+                             sampler=SamplerSettings(temperature=0.0), **kw)
+
+
+def _drafts(snapshot) -> dict[str, tuple[int, int]]:
+    """Draft source -> (tokens drafted, tokens accepted)."""
+    return {source: (drafted, accepted) for source, drafted, accepted in snapshot.drafts}
+
+
+def test_a_prediction_is_drafted_from_and_counted(local_model):
+    """The client's predicted answer: taken while the output follows it, and rejoined after
+    an edit; the output is the same with or without it."""
+    prompt = _chat_tokens(local_model, CHATS["edit"])
+    config = EngineConfig(cache=CacheConfig(enabled=False))
+    [plain], _, _ = _generate(local_model, config, [_greedy(prompt)], together=False)
+    edited = list(plain)
+    edited[len(edited) // 2] = local_model.tokenize(" banana", add_special=False,
+                                                    parse_special=False)[0]
+    requests = [_greedy(prompt, prediction=tuple(plain)), _greedy(prompt, prediction=tuple(
+        edited))]
+    generated, outputs, snapshot = _generate(local_model, config, requests, together=False)
+    assert generated == [plain, plain]
+    exact, off_by_one = (o[-1].usage for o in outputs)
+    # All but the first token and the one each verification picks after its whole draft
+    # (drafts grow to MAX_DRAFT as they are accepted).
+    assert exact.accepted_prediction_tokens >= len(plain) * 0.8
+    assert exact.rejected_prediction_tokens == 0
+    assert off_by_one.rejected_prediction_tokens > 0
+    assert off_by_one.accepted_prediction_tokens >= len(plain) // 2  # past the edit too
+    assert _drafts(snapshot)["prediction"][1] == sum(
+        u.accepted_prediction_tokens for u in (exact, off_by_one))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
@@ -147,7 +177,8 @@ def test_greedy_output_is_the_same_with_drafts(local_model, deterministic):
                                   cache=CacheConfig(budget_mb=64)), requests,
         together=deterministic)
     assert drafted == plain
-    assert snapshot.accepted_tokens > 20 and snapshot.drafted_tokens >= snapshot.accepted_tokens
+    counts = _drafts(snapshot)
+    assert counts["prompt"][1] > 20 and counts["prompt"][0] >= counts["prompt"][1]
     # Several accepted tokens arrive in one output: fewer outputs than tokens.
     assert any(len(o) < len(tokens) for o, tokens in zip(outputs, drafted, strict=True))
 
@@ -161,7 +192,7 @@ def test_seeded_sampling_is_the_same_with_drafts(local_model):
     plain, _, _ = _generate(local_model, config, requests, together=False)
     drafted, _, snapshot = _generate(local_model, EngineConfig(
         speculation=True, cache=CacheConfig(enabled=False)), requests, together=False)
-    assert drafted == plain and snapshot.accepted_tokens > 0
+    assert drafted == plain and _drafts(snapshot)["prompt"][1] > 0
 
 
 def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
@@ -173,7 +204,7 @@ def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
     config = EngineConfig(parallel=6, ctx_size=768, batch_tokens=128, speculation=True,
                           cache=CacheConfig(budget_mb=64, block_size=16))
     generated, outputs, snapshot = _generate(local_model, config, requests, cancel_after=3)
-    assert snapshot.preemptions > 0 and snapshot.accepted_tokens > 0
+    assert snapshot.preemptions > 0 and _drafts(snapshot)["prompt"][1] > 0
     assert all(len(tokens) == 100 or o[-1].finish_reason == "stop"
                for tokens, o in zip(generated[:-1], outputs[:-1], strict=True))
 
@@ -206,7 +237,11 @@ def _stream_chat(server: GatewayProcess, messages, **extra) -> tuple[str, int]:
 def test_streamed_answers_equal_the_gateway_without_drafts(speculating, plain, workload):
     got = _stream_chat(speculating, CHATS[workload])
     assert got == _stream_chat(plain, CHATS[workload])
-    assert speculating.metrics()["prefixgate_speculative_accepted_tokens_total"] > 0
+    assert _accepted(speculating) > 0
+
+
+def _accepted(server: GatewayProcess, source: str = "prompt") -> float:
+    return server.labelled("prefixgate_speculative_accepted_tokens_total", "source")[source]
 
 
 def test_json_schema_output_stays_valid_with_drafts(speculating):
@@ -214,11 +249,37 @@ def test_json_schema_output_stays_valid_with_drafts(speculating):
         "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string"},
         "roles": {"type": "array", "items": {"type": "string"}}},
         "required": ["id", "name", "email", "roles"]}
-    before = speculating.metrics()["prefixgate_speculative_accepted_tokens_total"]
+    before = _accepted(speculating)
     for _ in range(2):
         text, _ = _stream_chat(speculating, CHATS["json"], response_format={
             "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
         record = json.loads(text)
         assert set(schema["required"]) <= set(record)
-    assert speculating.metrics()["prefixgate_speculative_accepted_tokens_total"] > before
+    assert _accepted(speculating) > before
+    speculating.settled()
+
+
+def test_predicted_outputs_through_the_sdk(speculating):
+    """OpenAI's `prediction`, whole and streamed: the same answer, and usage saying how much
+    of the prediction it took."""
+    client = openai_client(speculating)
+    ask = dict(model=speculating.model_name, messages=CHATS["edit"], max_tokens=120,
+               temperature=0)
+    answer = client.chat.completions.create(**ask).choices[0].message.content
+    predicted = client.chat.completions.create(
+        **ask, prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > predicted.usage.completion_tokens // 2
+    wrong = client.chat.completions.create(**ask, stream=True,
+                                           stream_options={"include_usage": True},
+                                           prediction={"type": "content", "content": [
+                                               {"type": "text", "text": "Nothing like it."}]})
+    chunks = list(wrong)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert _accepted(speculating, "prediction") >= details.accepted_prediction_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, prediction={"type": "file", "content": "x"})
+    assert caught.value.body["param"].startswith("prediction")
     speculating.settled()
