@@ -1,5 +1,5 @@
-"""Speculative decoding side by side: prefixgate with `--speculation` off and on, llama-server
-without speculation and with its n-gram drafts, in one run.
+"""Speculative decoding side by side: prefixgate with `--speculation off` and with its default
+(on), llama-server without speculation and with its n-gram drafts, in one run.
 
     python -m loadtest.speculation [--runs 3] [--concurrency 1 4]
 
@@ -12,7 +12,7 @@ Workloads, greedy, each system in turn:
   `--concurrency`: nothing to copy, so drafts can only cost.
 
 It prints output tokens per second end to end (all answers' tokens over the workload's wall
-time) and each system's ratio to prefixgate without speculation.
+time) and each system's ratio to the first (prefixgate without speculation).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def systems(model: Path, threads: int, llama_server: Path
              "-c", "16384", "--host", "127.0.0.1", "--port", "{port}", *flags], "/health",
             ROOT / ".bench" / "speculation-llama-server.log")
 
-    found = {"prefixgate": gateway(), "prefixgate --speculation on": gateway("--speculation",
-                                                                             "on")}
+    found = {"prefixgate --speculation off": gateway("--speculation", "off"),
+             "prefixgate": gateway()}
     if llama_server.exists():
         found |= {"llama-server": server(),
                   "llama-server ngram-simple": server("--spec-type", "ngram-simple"),

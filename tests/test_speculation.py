@@ -6,7 +6,10 @@ drafts, cancellations and preemption leave no cell or block behind."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
+from collections import Counter
 
 import openai
 import pytest
@@ -193,6 +196,56 @@ def test_seeded_sampling_is_the_same_with_drafts(local_model):
     drafted, _, snapshot = _generate(local_model, EngineConfig(
         speculation=True, cache=CacheConfig(enabled=False)), requests, together=False)
     assert drafted == plain and _drafts(snapshot)["prompt"][1] > 0
+
+
+def _chi_squared(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's statistic of two samples over the same categories, and its degrees of
+    freedom; categories with fewer than 10 in both together are pooled."""
+    pooled_a, pooled_b = Counter(), Counter()
+    for key in a.keys() | b.keys():
+        rare = a[key] + b[key] < 10
+        pooled_a["rare" if rare else key] += a[key]
+        pooled_b["rare" if rare else key] += b[key]
+    n_a, n_b = sum(pooled_a.values()), sum(pooled_b.values())
+    statistic = 0.0
+    for key in pooled_a.keys() | pooled_b.keys():
+        total = pooled_a[key] + pooled_b[key]
+        for count, n in ((pooled_a[key], n_a), (pooled_b[key], n_b)):
+            expected = total * n / (n_a + n_b)
+            statistic += (count - expected) ** 2 / expected
+    return statistic, len(pooled_a.keys() | pooled_b.keys()) - 1
+
+
+def _chi_squared_critical(df: int, z: float = 3.09) -> float:
+    """The statistic's 0.999 quantile (Wilson-Hilferty; z of p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3 if df else 0.0
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution(local_model):
+    """Apart from seeds (where the draws are the same: see above), sampled tokens with drafts
+    follow the distribution without. 240 seeds each at temperature 1, the greedy answer as a
+    prediction so that every position is drafted and often rejected: over the positions after
+    the first, the tokens with drafts and without pass a chi-squared test (p > 0.001)."""
+    prompt = _chat_tokens(local_model, CHATS["json"])
+    config = EngineConfig(cache=CacheConfig(budget_mb=64))
+    [greedy], _, _ = _generate(local_model, dataclasses.replace(config, speculation=False),
+                               [_greedy(prompt, max_tokens=8)])
+
+    def sampled(seeds, **kw):
+        return [GenerationRequest(prompt, max_tokens=6, sampler=SamplerSettings(
+            temperature=1.0, seed=seed), **kw) for seed in seeds]
+    plain, _, _ = _generate(local_model, dataclasses.replace(config, speculation=False),
+                            sampled(range(240)))
+    drafted, _, snapshot = _generate(local_model, config, sampled(range(1000, 1240),
+                                                                  prediction=greedy))
+    drafts = _drafts(snapshot)["prediction"]
+    assert drafts[1] > 30 and drafts[0] - drafts[1] > 30  # often accepted, often not
+    # One test over the positions after the first (their statistics and freedoms added): a
+    # verifier that took half of the rejected drafts fails it, where each alone did not.
+    tests = [_chi_squared(Counter(t[i] for t in plain if len(t) > i),
+                          Counter(t[i] for t in drafted if len(t) > i)) for i in range(1, 6)]
+    statistic, df = sum(t[0] for t in tests), sum(t[1] for t in tests)
+    assert statistic <= _chi_squared_critical(df), (statistic, df)
 
 
 def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
