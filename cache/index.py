@@ -103,10 +103,11 @@ class CacheIndex:
         with self._lock:
             return self.tree.matched_length(tokens, namespace.encode())
 
-    def report(self, tokens: np.ndarray, namespace: str) -> PathReport:
-        """How the prompt meets the cached paths, touching nothing (explaining a miss)."""
+    def report(self, tokens: np.ndarray, namespace: str, following: int = 32) -> PathReport:
+        """How the prompt meets the cached paths, touching nothing (explaining a miss, or
+        finding an earlier answer to draft from)."""
         with self._lock:
-            return self.tree.report(tokens, namespace.encode())
+            return self.tree.report(tokens, namespace.encode(), following)
 
     def namespace_named(self, hashed: str) -> str | None:
         """The namespace of the tree that the admin API calls `hashed`, if it holds any block."""

@@ -182,8 +182,10 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: OutputSink, pool_hint: int = 0) -> None:
         seq = _Sequence(request, sink, np.asarray(request.prompt_tokens, dtype=np.int32),
                         list(request.prompt_tokens), pool_hint=pool_hint)
-        if request.prediction:
-            seq.drafter.prediction = PredictedOutput(list(request.prediction))
+        for source, expected in (("prediction", request.prediction),
+                                 ("history", request.history)):
+            if expected:
+                seq.drafter.expected[source] = PredictedOutput(list(expected))
         with self._lock:
             if self.failure or self._stopping:
                 raise EngineUnavailable(self.failure or "the server is shutting down")

@@ -61,6 +61,7 @@ class GenerationRequest:
     # <|channel|>, Mistral's [TOOL_CALLS]), as llama-server keeps its "preserved tokens".
     shown_tokens: frozenset[int] = frozenset()
     prediction: tuple[int, ...] = ()  # the output the client expects, drafted from
+    history: tuple[int, ...] = ()  # what the cache holds after the prompt, drafted from
 
 
 class EngineUnavailable(RuntimeError):

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
 FINAL_WRITE_SECONDS = 5  # how long a timed-out stream waits for its client to take the error
+HISTORY_TOKENS = 1024  # most of an earlier answer to the same prompt a request drafts from
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,9 @@ async def generate(request: web.Request, prompt_tokens: list[int],
     pins = planned.pins if pool is not None else ()
     for pin in pins:  # what is cached already, now; the rest once it is stored
         pool.pin(generation, pin.n_tokens, pin.seconds)
+    if pool is not None and gateway.config.workers.engine.speculation:
+        generation = dataclasses.replace(generation, history=pool.history(
+            generation, min(generation.max_tokens, HISTORY_TOKENS)))
     held = held_for(gateway, generation, adopted)  # before it is in flight itself
     handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
     timer = gateway.metrics.request_timer(len(prompt_tokens))

@@ -89,6 +89,15 @@ class SharedPool:
 
     # ----- requests ----------------------------------------------------------------------------
 
+    def history(self, request: GenerationRequest, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens the cache holds after the whole prompt, when it holds all of
+        it: the latest answer to the same prompt in the tenant's namespace, to draft from
+        (engine/speculation.py). Nothing when the prompt is new somewhere."""
+        prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
+        report = self.index.report(prompt, request.namespace, following=limit)
+        return tuple(int(t) for t in report.following) if report.n_tokens == len(prompt) \
+            else ()
+
     def cached_length(self, request: GenerationRequest) -> int:
         return self.index.cached_length(np.asarray(request.prompt_tokens, dtype=np.int32),
                                         request.namespace)

@@ -293,8 +293,10 @@ def test_streamed_answers_equal_the_gateway_without_drafts(speculating, plain, w
     assert _accepted(speculating) > 0
 
 
-def _accepted(server: GatewayProcess, source: str = "prompt") -> float:
-    return server.labelled("prefixgate_speculative_accepted_tokens_total", "source")[source]
+def _accepted(server: GatewayProcess, source: str | None = "prompt") -> float:
+    """Draft tokens accepted from one source, or from all of them (None)."""
+    counts = server.labelled("prefixgate_speculative_accepted_tokens_total", "source")
+    return sum(counts.values()) if source is None else counts[source]
 
 
 def test_json_schema_output_stays_valid_with_drafts(speculating):
@@ -302,13 +304,13 @@ def test_json_schema_output_stays_valid_with_drafts(speculating):
         "id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string"},
         "roles": {"type": "array", "items": {"type": "string"}}},
         "required": ["id", "name", "email", "roles"]}
-    before = _accepted(speculating)
+    before = _accepted(speculating, None)
     for _ in range(2):
         text, _ = _stream_chat(speculating, CHATS["json"], response_format={
             "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
         record = json.loads(text)
         assert set(schema["required"]) <= set(record)
-    assert _accepted(speculating) > before
+    assert _accepted(speculating, None) > before
     speculating.settled()
 
 
@@ -336,3 +338,32 @@ def test_predicted_outputs_through_the_sdk(speculating):
         client.chat.completions.create(**ask, prediction={"type": "file", "content": "x"})
     assert caught.value.body["param"].startswith("prediction")
     speculating.settled()
+
+
+def test_an_earlier_answer_to_the_same_prompt_is_drafted_within_its_tenant(model_path,
+                                                                           tmp_path):
+    """A prompt the cache holds whole, with what followed it there: that earlier answer is a
+    draft, in the tenant's own namespace only (another's would answer faster: a side channel
+    on its text)."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    server = GatewayProcess(model_path, *DEFAULT_ARGS, "--api-keys-file", str(keys))
+    try:
+        def ask(key: str) -> tuple[str, float]:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key,
+                                   max_retries=0)
+            answer = client.chat.completions.create(
+                model=server.model_name, messages=CHATS["json"], max_tokens=100,
+                temperature=0).choices[0].message.content
+            return answer, _accepted(server, "history")
+
+        first, none_yet = ask("key-a")
+        other_tenant, still_none = ask("key-b")
+        again, taken = ask("key-a")
+        assert first == other_tenant == again
+        assert none_yet == still_none == 0
+        # The first answer as far as the cache holds it (whole blocks), drafted and taken.
+        assert taken >= 30
+        server.settled()
+    finally:
+        server.stop()
