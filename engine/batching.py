@@ -446,7 +446,9 @@ class Engine:
             if self.speculation else 1.0
         rows = []
         for seq in decoding:
-            seq.draft = self._draft(seq, worth, room) if self.speculation else []
+            # A replayed completion (tests) takes its tokens from a script, not the model.
+            seq.draft = self._draft(seq, worth, room) \
+                if self.speculation and not seq.sampler.scripted else []
             room -= len(seq.draft)
             rows.append((seq, seq.tokens[-1:] + seq.draft))
         return rows

@@ -94,11 +94,12 @@ def _engine(p: argparse._ArgumentGroup) -> None:
                    help="the time between a running stream's tokens that prompts computed "
                         "beside it may stretch a step to: lower gives smoother streams, higher "
                         "sooner first tokens for waiting requests (default %(default)s)")
-    p.add_argument("--speculation", choices=("on", "off"),
-                   default="on" if EngineConfig.speculation else "off",
+    p.add_argument("--speculation", choices=("on", "off"), default=None,
                    help="draft tokens from the request's own prompt and output where they "
                         "repeat, and verify them in the step's batch: the same output, sooner "
-                        "where text is copied (default %(default)s)")
+                        "where text is copied (default: on, but off with --no-flash-attn, "
+                        "whose output is llama-cpp-python's: there a verified row rounds "
+                        "unlike a lone decode)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of each worker's llama.cpp context")
 
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                           kv_type=args.kv_type, flash_attn=args.flash_attn == "on",
                           deterministic=args.deterministic, swa_full=args.swa_full,
                           target_tpot_ms=args.target_tpot_ms,
-                          speculation=args.speculation == "on",
+                          speculation=args.speculation == "on" if args.speculation
+                          else args.flash_attn == "on",
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
                                             budget_mb=args.cache_mb, block_size=args.block_size))
     config = ServerConfig(

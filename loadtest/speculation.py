@@ -8,6 +8,8 @@ Workloads, greedy, each system in turn:
   after another: the answer copies its prompt;
 - edit with prediction: the same, with the file as OpenAI's `prediction` (llama-server ignores
   the field: its figure is its plain edit's);
+- repeated question: one question `--runs` times one after another, as many users ask it
+  (greedy, so the same answer): the later ones can draft the first answer;
 - unique: 8 prompts of ~256 tokens of unrelated text, 64 output tokens each, at each
   `--concurrency`: nothing to copy, so drafts can only cost.
 
@@ -53,6 +55,7 @@ def describe(radius):
 '''
 EDIT = [{"role": "user", "content": "Repeat this Python file exactly, but rename the function "
                                     f"area_of_circle to circle_area:\n\n{FILE}"}]
+QUESTION = [{"role": "user", "content": "Explain how a hash map works, with an example in Python."}]
 UNIQUE_PROMPTS, UNIQUE_TOKENS, UNIQUE_OUTPUT = 8, 256, 64
 
 
@@ -72,6 +75,7 @@ def workloads(model: Model, runs: int, levels: list[int]) -> list[Workload]:
     prediction = {"prediction": {"type": "content", "content": FILE}}
     return [Workload("edit", [EDIT] * runs, 1, 400),
             Workload("edit with prediction", [EDIT] * runs, 1, 400, prediction),
+            Workload("repeated question", [QUESTION] * runs, 1, 300),
             *(Workload(f"unique, concurrency {c}", unique, c, UNIQUE_OUTPUT) for c in levels)]
 
 
@@ -143,7 +147,7 @@ def main() -> None:
     found = systems(args.model, args.threads, args.llama_server)
     chosen = {name: found[name] for name in args.systems or found}
     if args.no_edit:
-        loads = [w for w in loads if not w.name.startswith("edit")]
+        loads = [w for w in loads if w.name.startswith("unique")]
     for round_ in range(1, args.rounds + 1):
         for name, start in chosen.items():
             label = f"{name} (round {round_})" if args.rounds > 1 else name
