@@ -55,6 +55,7 @@ from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from engine.scheduler import Scheduler, StepCostFit
 from engine.speculation import (
     MAX_DRAFT,
+    MAX_DRAFTING_STREAMS,
     SOURCES,
     Drafter,
     PredictedOutput,
@@ -447,8 +448,8 @@ class Engine:
         rows = []
         for seq in decoding:
             # A replayed completion (tests) takes its tokens from a script, not the model.
-            seq.draft = self._draft(seq, worth, room) \
-                if self.speculation and not seq.sampler.scripted else []
+            seq.draft = self._draft(seq, worth, room) if self.speculation and \
+                len(decoding) <= MAX_DRAFTING_STREAMS and not seq.sampler.scripted else []
             room -= len(seq.draft)
             rows.append((seq, seq.tokens[-1:] + seq.draft))
         return rows

@@ -17,7 +17,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import PRIOR, StepCost
-from engine.speculation import Acceptance, PromptLookup, draft_row_worth
+from engine.speculation import MAX_DRAFTING_STREAMS, Acceptance, PromptLookup, draft_row_worth
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DEFAULT_ARGS, openai_client, serve
 from tests.local_engine import LocalEngine
@@ -227,7 +227,7 @@ def test_sampling_with_drafts_keeps_the_models_distribution(local_model):
     prediction so that every position is drafted and often rejected: over the positions after
     the first, the tokens with drafts and without pass a chi-squared test (p > 0.001)."""
     prompt = _chat_tokens(local_model, CHATS["json"])
-    config = EngineConfig(cache=CacheConfig(budget_mb=64))
+    config = EngineConfig(parallel=MAX_DRAFTING_STREAMS, cache=CacheConfig(budget_mb=64))
     [greedy], _, _ = _generate(local_model, dataclasses.replace(config, speculation=False),
                                [_greedy(prompt, max_tokens=8)])
 
@@ -249,12 +249,13 @@ def test_sampling_with_drafts_keeps_the_models_distribution(local_model):
 
 
 def test_preemption_and_cancellation_with_drafts_leave_nothing(local_model):
-    # Six copies of the edit want ~2,000 cells; the context has 768: requests are preempted
-    # with drafts planned, and the last is cancelled after a few outputs.
+    # Six edits, two running at a time (drafting stops beyond that), want ~560 cells at once;
+    # the context has 384: requests are preempted with drafts planned, and the last is
+    # cancelled after a few outputs.
     requests = [_greedy(_chat_tokens(local_model, [
         {"role": "system", "content": f"You are assistant number {i}."}, *CHATS["edit"]]),
         max_tokens=100) for i in range(6)]
-    config = EngineConfig(parallel=6, ctx_size=768, batch_tokens=128, speculation=True,
+    config = EngineConfig(parallel=2, ctx_size=384, batch_tokens=128, speculation=True,
                           cache=CacheConfig(budget_mb=64, block_size=16))
     generated, outputs, snapshot = _generate(local_model, config, requests, cancel_after=3)
     assert snapshot.preemptions > 0 and _drafts(snapshot)["prompt"][1] > 0
