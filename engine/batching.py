@@ -443,13 +443,13 @@ class Engine:
         room = self._batch.capacity - len(decoding)
         if self.unified:
             room = min(room, self.cells.free - len(decoding))
-        worth = draft_row_worth(self.scheduler.fit.cost, len(decoding), 0) \
-            if self.speculation else 1.0
+        drafting = self.speculation and len(decoding) <= MAX_DRAFTING_STREAMS
+        worth = draft_row_worth(self.scheduler.fit.cost, len(decoding), 0) if drafting else 1.0
         rows = []
         for seq in decoding:
             # A replayed completion (tests) takes its tokens from a script, not the model.
-            seq.draft = self._draft(seq, worth, room) if self.speculation and \
-                len(decoding) <= MAX_DRAFTING_STREAMS and not seq.sampler.scripted else []
+            seq.draft = self._draft(seq, worth, room) \
+                if drafting and not seq.sampler.scripted else []
             room -= len(seq.draft)
             rows.append((seq, seq.tokens[-1:] + seq.draft))
         return rows
