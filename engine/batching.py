@@ -59,6 +59,8 @@ from engine.speculation import (
     SOURCES,
     Drafter,
     PredictedOutput,
+    SuffixIndex,
+    TenantAnswers,
     draft_row_worth,
 )
 from engine.textstream import TextStream
@@ -159,6 +161,7 @@ class Engine:
         self._shared_tokens = 0
         self._computed_tokens = 0
         self._drafts = {source: [0, 0] for source in SOURCES}  # drafted, accepted
+        self._answers = SuffixIndex()  # the answers given lately, drafted from
         # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
         # window cache, which forgets the positions the draft's end has passed.
         self.speculation = config.speculation and not model.has_recurrent_state and \
@@ -187,6 +190,7 @@ class Engine:
                                  ("history", request.history)):
             if expected:
                 seq.drafter.expected[source] = PredictedOutput(list(expected))
+        seq.drafter.lookups["suffix"] = TenantAnswers(self._answers, request.namespace)
         with self._lock:
             if self.failure or self._stopping:
                 raise EngineUnavailable(self.failure or "the server is shutting down")
@@ -574,6 +578,9 @@ class Engine:
             self.cache.store(seq.kv_tokens(), seq.request.namespace, seq.slot, final=True)
         if output.error is None:  # the text its last step made before the end
             output = dataclasses.replace(output, text=seq.unsent + output.text)
+            if self.speculation:
+                self._answers.add(seq.request.namespace, seq.request.prompt_tokens,
+                                  seq.tokens[len(seq.request.prompt_tokens):])
         seq.unsent = ""
         usage = Usage(prompt_tokens=len(seq.request.prompt_tokens),
                       completion_tokens=seq.n_generated, cached_tokens=seq.cached,

@@ -17,7 +17,10 @@ backs off by itself when many streams run or the drafts keep failing.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from engine.scheduler import StepCost
 
@@ -27,8 +30,17 @@ MAX_DRAFT = 16  # tokens verified at once for one sequence
 # Beyond this many streams decoding together no sequence drafts: unique prompts at
 # concurrency 4 measured 0.82x with drafts allowed (loadtest.speculation, 2026-12-04).
 MAX_DRAFTING_STREAMS = 2
-# The request's own text; the client's predicted output; an earlier answer to the same prompt
-SOURCES = ("prompt", "prediction", "history")
+# The request's own text; the client's predicted output; an earlier answer to the same prompt;
+# what most often followed in the answers given lately (SuffixIndex)
+SOURCES = ("prompt", "prediction", "history", "suffix")
+# The contexts answers are indexed by, longest first: the end of the prompt before an answer
+# (the chat template's last tokens are every answer's, the user's words before them are not)
+# and the answer's own last tokens.
+SUFFIX_NGRAMS = (16, 8, 4)
+SUFFIX_CAPACITY = 1 << 16  # answer tokens a worker keeps indexed, its tenants' together
+# A token is drafted from the answers only while it followed its context in at least this
+# share of them: where they disagree, the draft stops.
+SUFFIX_MIN_SHARE = 0.5
 # A verified row costs more than a prompt token: its logits over the vocabulary. SmolLM2 on 2
 # cores: 5.9 ms a row (13.5 ms for one token, 19.4 for two), 4.4 ms a prompt token.
 ROW_OVER_PROMPT_TOKEN = 1.35
@@ -47,15 +59,16 @@ class NgramIndex:
         default_factory=lambda: {n: {} for n in NGRAM_SIZES})
     _indexed: int = 0  # corpus tokens whose preceding n-grams are indexed
 
-    def follow(self, context: list[int], corpus: list[int], limit: int) -> list[int]:
-        """Up to `limit` tokens of `corpus` that followed the latest occurrence of the longest
-        n-gram ending `context`; none when it never occurred."""
+    def follow(self, context: list[int], corpus: list[int], limit: int
+               ) -> tuple[int, list[int]]:
+        """The length of the longest n-gram ending `context` found in `corpus`, and up to
+        `limit` tokens that followed its latest occurrence; (0, []) when none occurred."""
         self._catch_up(corpus)
         for n in NGRAM_SIZES:
             start = self._index[n].get(tuple(context[-n:]))
             if start is not None:
-                return corpus[start: start + limit]
-        return []
+                return n, corpus[start: start + limit]
+        return 0, []
 
     def _catch_up(self, corpus: list[int]) -> None:
         # The n-gram ending just before position i is followed by the tokens from i on; the
@@ -74,7 +87,8 @@ class PromptLookup:
 
     index: NgramIndex = field(default_factory=NgramIndex)
 
-    def draft(self, tokens: list[int], limit: int) -> list[int]:
+    def draft(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
+        """The length of the n-gram matched, and the draft."""
         return self.index.follow(tokens, tokens, limit)
 
 
@@ -91,7 +105,86 @@ class PredictedOutput:
         generated = tokens[len(tokens) - n_generated:]
         if generated == self.tokens[:n_generated]:
             return self.tokens[n_generated: n_generated + limit]
-        return self.index.follow(tokens, self.tokens, limit)
+        return self.index.follow(tokens, self.tokens, limit)[1]
+
+
+@dataclass
+class SuffixIndex:
+    """The answers a worker gave lately, each after the end of its prompt, indexed as suffix
+    decoding's global tree is: for each context of SUFFIX_NGRAMS tokens, how often each token
+    followed it. A draft is the likeliest continuation, token by token, while the answers
+    agree on it. Each namespace (tenant) has its own counts, so that no draft, nor how fast it
+    is accepted, shows one tenant another's text. The oldest answers are forgotten beyond
+    SUFFIX_CAPACITY tokens, their counts taken back."""
+
+    capacity: int = SUFFIX_CAPACITY
+    # namespace -> a context (a tuple of any of the SUFFIX_NGRAMS lengths) -> next -> count
+    _counts: dict[str, dict[tuple[int, ...], dict[int, int]]] = field(default_factory=dict)
+    _answers: deque[tuple[str, list[int], int]] = field(default_factory=deque)  # +where it starts
+    _size: int = 0  # answer tokens indexed
+
+    def add(self, namespace: str, prompt: Sequence[int], answer: list[int]) -> None:
+        if not answer:
+            return
+        context = list(prompt[-SUFFIX_NGRAMS[0]:])
+        text = context + answer
+        self._count(namespace, text, len(context), 1)
+        self._answers.append((namespace, text, len(context)))
+        self._size += len(answer)
+        while self._size > self.capacity:
+            old_namespace, old, start = self._answers.popleft()
+            self._count(old_namespace, old, start, -1)
+            self._size -= len(old) - start
+
+    def _count(self, namespace: str, text: list[int], start: int, delta: int) -> None:
+        counts = self._counts.setdefault(namespace, {})
+        for i in range(start, len(text)):
+            for n in SUFFIX_NGRAMS:
+                if i < n:
+                    continue
+                context = tuple(text[i - n: i])
+                following = counts.setdefault(context, {})
+                following[text[i]] = following.get(text[i], 0) + delta
+                if not following[text[i]]:
+                    del following[text[i]]
+                    if not following:
+                        del counts[context]
+        if not counts:
+            del self._counts[namespace]
+
+    def draft(self, namespace: str, tokens: list[int], limit: int) -> tuple[int, list[int]]:
+        """The length of the longest context matched at the draft's start, and up to `limit`
+        tokens that most often followed, each in at least SUFFIX_MIN_SHARE of the answers
+        where its own context occurred."""
+        counts = self._counts.get(namespace)
+        if not counts:
+            return 0, []
+        context = tokens[-SUFFIX_NGRAMS[0]:]
+        drafted: list[int] = []
+        matched = 0
+        while len(drafted) < limit:
+            n, following = next(((n, counts[key]) for n in SUFFIX_NGRAMS if len(context) >= n
+                                 and (key := tuple(context[-n:])) in counts), (0, None))
+            if following is None:
+                break
+            token, count = max(following.items(), key=itemgetter(1))
+            if count < SUFFIX_MIN_SHARE * sum(following.values()):
+                break
+            matched = matched or n
+            drafted.append(token)
+            context = context[1:] + [token]
+        return matched, drafted
+
+
+@dataclass(frozen=True)
+class TenantAnswers:
+    """One namespace's drafts from the worker's SuffixIndex."""
+
+    index: SuffixIndex
+    namespace: str
+
+    def draft(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
+        return self.index.draft(self.namespace, tokens, limit)
 
 
 @dataclass
@@ -134,17 +227,22 @@ class Acceptance:
 
 @dataclass
 class Drafter:
-    """One sequence's draft sources, the client's prediction first, each with its own
-    acceptance; `source` names the one of the draft being verified."""
+    """One sequence's draft sources, each with its own acceptance; `source` names the one of
+    the draft being verified. The client's prediction first, then an earlier answer to the
+    same prompt; else the request's own text or the answers given lately, whichever matches
+    the sequence's last tokens over more of them."""
 
     # Expected outputs by source: the client's prediction, an earlier answer (tried in turn)
     expected: dict[str, PredictedOutput] = field(default_factory=dict)
-    lookup: PromptLookup = field(default_factory=PromptLookup)
+    # Lookups by source: the request's own text, and the tenant's answers given lately
+    lookups: dict[str, PromptLookup | TenantAnswers] = field(
+        default_factory=lambda: {"prompt": PromptLookup()})
     # A prediction is the client's word that the output will be this: trusted from the start;
     # an earlier answer to the same prompt, greedy, would be repeated exactly.
     acceptance: dict[str, Acceptance] = field(default_factory=lambda: {
         "prediction": Acceptance(accepted=9.0, tried=10.0),
-        "history": Acceptance(accepted=8.0, tried=10.0), "prompt": Acceptance()})
+        "history": Acceptance(accepted=8.0, tried=10.0), "prompt": Acceptance(),
+        "suffix": Acceptance()})
     source: str = "prompt"
 
     def draft(self, tokens: list[int], n_generated: int, worth: float, limit: int) -> list[int]:
@@ -154,9 +252,14 @@ class Drafter:
             if drafted:
                 self.source = source
                 return drafted
+        best: tuple[int, list[int]] = (0, [])
         self.source = "prompt"
-        n = self.acceptance["prompt"].length(worth, limit)
-        return self.lookup.draft(tokens, n) if n else []
+        for source, lookup in self.lookups.items():
+            n = self.acceptance[source].length(worth, limit)
+            found = lookup.draft(tokens, n) if n else (0, [])
+            if found[1] and found[0] > best[0]:
+                best, self.source = found, source
+        return best[1]
 
     def record(self, drafted: int, accepted: int) -> None:
         self.acceptance[self.source].record(drafted, accepted)

@@ -169,17 +169,28 @@ def _engine_totals(snaps: list[EngineSnapshot]):
                               value=total("shared_tokens"))
     drafted = CounterMetricFamily("prefixgate_speculative_drafted_tokens",
                                   "Draft tokens verified (--speculation), by where they came "
-                                  "from: the request's own text or the client's prediction",
+                                  "from: the request's own text (prompt), the client's "
+                                  "prediction, an earlier answer to the same prompt (history), "
+                                  "what followed in the tenant's answers given lately (suffix)",
                                   labels=["source"])
     accepted = CounterMetricFamily("prefixgate_speculative_accepted_tokens",
                                    "Draft tokens accepted: output tokens that took no step of "
                                    "their own", labels=["source"])
-    for source in SOURCES:
-        counts = [(n, a) for s in snaps for name, n, a in s.drafts if name == source]
-        drafted.add_metric([source], sum(n for n, _ in counts))
-        accepted.add_metric([source], sum(a for _, a in counts))
+    for source, counts in draft_counts(snaps).items():
+        drafted.add_metric([source], counts["drafted"])
+        accepted.add_metric([source], counts["accepted"])
     yield drafted
     yield accepted
+
+
+def draft_counts(snaps: list[EngineSnapshot]) -> dict[str, dict[str, int]]:
+    """Draft tokens the workers verified, by source: drafted and accepted."""
+    counts = {source: {"drafted": 0, "accepted": 0} for source in SOURCES}
+    for snap in snaps:
+        for source, drafted, accepted in snap.drafts:
+            counts[source]["drafted"] += drafted
+            counts[source]["accepted"] += accepted
+    return counts
 
 
 def _cache_counters(stats: list[CacheStats]):

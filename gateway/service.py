@@ -17,7 +17,7 @@ from engine.llama import Model
 from gateway.auth import KeyRing
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
 from gateway.errors import APIError
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, draft_counts
 from gateway.prompts import PromptBuilder
 from gateway.ratelimit import RateLimiter, RateLimits
 from gateway.response_store import ResponseStore
@@ -170,6 +170,7 @@ class Gateway:
                      "fallbacks": index.pin_fallbacks, "hit_tokens": index.pinned_hit_tokens},
             "history": [step.between(previous) for previous, step
                         in itertools.pairwise(self.history)],
+            "speculation": draft_counts(snaps),
         }
 
     def close(self) -> None:
@@ -191,3 +192,4 @@ class Gateway:
         if name != self.config.model_name and not any(
                 fnmatch.fnmatchcase(name, alias) for alias in self.config.model_aliases):
             raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
+

@@ -60,10 +60,19 @@ def test_the_page_follows_the_traffic_and_matches_the_stats(browser, model_path,
                 model=model_name, max_tokens=4,
                 prompt=f"Harbour log {i}: the ships that came in today were many. " * 6,
                 extra_body={"prompt_cache_retention": retention})
+        # An answer that copies its prompt: drafted from it (speculation is on by default).
+        client.chat.completions.create(
+            model=model_name, max_tokens=60, temperature=0, messages=[{
+                "role": "user", "content": "Repeat exactly: the ships that came in today were "
+                                           "the Lark, the Heron, the Swift and the Kestrel."}])
         after = stats(server)
         assert after["pool"]["blocks_used"] > 0
         wait.until(lambda _: shows("blocks-used", after["pool"]["blocks_used"]))
         assert shows("pinned", after["pins"]["blocks"])
+        prompt_drafts = after["speculation"]["prompt"]
+        assert prompt_drafts["accepted"] > 0
+        assert f"prompt {prompt_drafts['accepted']} of {prompt_drafts['drafted']}" in \
+            browser.find_element(By.ID, "drafts-by-source").text
         boxes = browser.find_elements(By.CSS_SELECTOR, "#treemap .prefix")
         assert len(boxes) >= 3
         assert browser.find_elements(By.CSS_SELECTOR, "#treemap .prefix.pinned")

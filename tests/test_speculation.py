@@ -17,7 +17,13 @@ import pytest
 from engine.config import CacheConfig, EngineConfig
 from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import PRIOR, StepCost
-from engine.speculation import MAX_DRAFTING_STREAMS, Acceptance, PromptLookup, draft_row_worth
+from engine.speculation import (
+    MAX_DRAFTING_STREAMS,
+    Acceptance,
+    PromptLookup,
+    SuffixIndex,
+    draft_row_worth,
+)
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DEFAULT_ARGS, openai_client, serve
 from tests.local_engine import LocalEngine
@@ -53,22 +59,51 @@ CHATS = {
 
 def test_a_draft_is_what_followed_the_latest_occurrence():
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 0, 1, 2, 3]
-    assert PromptLookup().draft(tokens, 2) == [7, 8]  # the later 1 2 3, not the first
-    assert PromptLookup().draft(tokens, 10) == [7, 8, 6, 0, 1, 2, 3]  # up to the end
+    assert PromptLookup().draft(tokens, 2) == (3, [7, 8])  # the later 1 2 3, not the first
+    assert PromptLookup().draft(tokens, 10) == (3, [7, 8, 6, 0, 1, 2, 3])  # up to the end
 
 
 def test_the_longest_matching_ngram_chooses():
     # "3 4" was followed by 5, but "2 3 4" (longer) by 6.
     tokens = [2, 3, 4, 6, 0, 9, 3, 4, 5, 1, 2, 3, 4]
-    assert PromptLookup().draft(tokens, 1) == [6]
+    assert PromptLookup().draft(tokens, 1) == (3, [6])
 
 
 def test_no_match_no_draft_and_the_index_grows_with_the_tokens():
     lookup = PromptLookup()
     tokens = [5, 6, 7, 8]
-    assert lookup.draft(tokens, 4) == []
+    assert lookup.draft(tokens, 4) == (0, [])
     tokens += [5, 6]
-    assert lookup.draft(tokens, 4) == [7, 8, 5, 6]
+    assert lookup.draft(tokens, 4) == (2, [7, 8, 5, 6])
+
+
+def test_answers_draft_the_likeliest_continuation_while_they_agree():
+    index = SuffixIndex()
+    prompt = list(range(100, 120))  # its last 16 tokens are the answers' first context
+    for answer in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9, 9]):
+        index.add("a", prompt, answer)
+    # 5 followed "1 2 3 4" twice in three: drafted; after "2 3 4 5" all agree on 6 7.
+    assert index.draft("a", prompt, 10) == (16, [1, 2, 3, 4, 5, 6, 7])
+    index.add("a", prompt, [1, 2, 3, 4, 8])  # now 5 follows in two of four: still half
+    assert index.draft("a", prompt, 10)[1] == [1, 2, 3, 4, 5, 6, 7]
+    index.add("a", prompt, [1, 2, 3, 4, 8])  # two of five: the draft stops before it
+    assert index.draft("a", prompt, 10)[1] == [1, 2, 3, 4]
+    # From the middle of another answer: the last 4 tokens match, not 8 or 16.
+    assert index.draft("a", [50, 51, 4, 5, 6, 7, 1, 2, 3, 4, 5], 2) == (4, [6, 7])
+
+
+def test_answers_are_kept_per_namespace_and_the_oldest_forgotten():
+    index = SuffixIndex(capacity=10)
+    prompt = [7] * 16
+    index.add("a", prompt, [1, 2, 3, 4, 5, 6])
+    assert index.draft("b", prompt, 4) == (0, [])  # another tenant's answers are never drafted
+    index.add("b", prompt, [1, 2, 3, 4, 5, 6])  # 12 tokens: "a"'s answer is forgotten
+    assert index.draft("a", prompt, 4) == (0, [])
+    assert index.draft("b", prompt, 4) == (16, [1, 2, 3, 4])
+    index.add("b", prompt, [9] * 10)
+    assert index.draft("b", prompt, 4) == (16, [9, 9, 9, 9])
+    index.add("b", prompt, [9] * 11)  # beyond capacity alone: nothing of it is kept
+    assert index._size == 0 and not index._counts
 
 
 def test_draft_length_follows_acceptance():
@@ -341,30 +376,46 @@ def test_predicted_outputs_through_the_sdk(speculating):
     speculating.settled()
 
 
-def test_an_earlier_answer_to_the_same_prompt_is_drafted_within_its_tenant(model_path,
-                                                                           tmp_path):
-    """A prompt the cache holds whole, with what followed it there: that earlier answer is a
-    draft, in the tenant's own namespace only (another's would answer faster: a side channel
-    on its text)."""
+# The JSON copy after other words: not the same prompt, but the same last tokens.
+JSON_AGAIN = [{"role": "system", "content": "You are a careful assistant."}, *CHATS["json"]]
+
+
+def test_earlier_answers_are_drafted_within_their_tenant(model_path, tmp_path):
+    """Earlier answers are drafts, in the tenant's own namespace only (another's would answer
+    faster: a side channel on its text): the one the cache holds after the same whole prompt
+    ("history"), and what followed the same last tokens in the answers given lately
+    ("suffix")."""
     keys = tmp_path / "keys"
     keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
     server = GatewayProcess(model_path, *DEFAULT_ARGS, "--api-keys-file", str(keys))
     try:
-        def ask(key: str) -> tuple[str, float]:
+        def counts() -> tuple[dict[str, float], dict[str, float]]:
+            return (server.labelled("prefixgate_speculative_drafted_tokens_total", "source"),
+                    server.labelled("prefixgate_speculative_accepted_tokens_total", "source"))
+
+        def ask(key: str, messages: list[dict]) -> tuple[str, dict[str, float],
+                                                          dict[str, float]]:
+            """The answer, and the draft tokens it took by source: drafted, accepted."""
+            before = counts()
             client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key,
                                    max_retries=0)
             answer = client.chat.completions.create(
-                model=server.model_name, messages=CHATS["json"], max_tokens=100,
+                model=server.model_name, messages=messages, max_tokens=100,
                 temperature=0).choices[0].message.content
-            return answer, _accepted(server, "history")
+            drafted, accepted = ({source: now[source] - then[source] for source in now}
+                                 for now, then in zip(counts(), before, strict=True))
+            return answer, drafted, accepted
 
-        first, none_yet = ask("key-a")
-        other_tenant, still_none = ask("key-b")
-        again, taken = ask("key-a")
+        first, _, _ = ask("key-a", CHATS["json"])
+        # Another tenant's same prompt finds neither a's answer after it nor a's last tokens.
+        other_tenant, elsewhere, _ = ask("key-b", CHATS["json"])
+        again, _, taken = ask("key-a", CHATS["json"])
         assert first == other_tenant == again
-        assert none_yet == still_none == 0
+        assert elsewhere["history"] == elsewhere["suffix"] == 0
         # The first answer as far as the cache holds it (whole blocks), drafted and taken.
-        assert taken >= 30
+        assert taken["history"] >= 30
+        _, drafted, accepted = ask("key-a", JSON_AGAIN)  # no history: not the same prompt
+        assert accepted["suffix"] >= 10, (drafted, accepted)
         server.settled()
     finally:
         server.stop()
