@@ -447,23 +447,26 @@ class Engine:
         room = self._batch.capacity - len(decoding)
         if self.unified:
             room = min(room, self.cells.free - len(decoding))
-        drafting = self.speculation and len(decoding) <= MAX_DRAFTING_STREAMS
+        crowded = len(decoding) > MAX_DRAFTING_STREAMS
+        drafting = self.speculation and (
+            not crowded or any(seq.drafter.expected for seq in decoding))
         worth = draft_row_worth(self.scheduler.fit.cost, len(decoding), 0) if drafting else 1.0
         rows = []
         for seq in decoding:
             # A replayed completion (tests) takes its tokens from a script, not the model.
-            seq.draft = self._draft(seq, worth, room) \
+            seq.draft = self._draft(seq, worth, room, expected_only=crowded) \
                 if drafting and not seq.sampler.scripted else []
             room -= len(seq.draft)
             rows.append((seq, seq.tokens[-1:] + seq.draft))
         return rows
 
-    def _draft(self, seq: _Sequence, worth: float, room: int) -> list[int]:
-        """The tokens the sequence's own text suggests will follow, as many as are likely
+    def _draft(self, seq: _Sequence, worth: float, room: int, expected_only: bool
+               ) -> list[int]:
+        """The tokens the sequence's draft sources suggest will follow, as many as are likely
         enough to be accepted to be `worth` their rows (engine/speculation.py)."""
         limit = min(room, MAX_DRAFT, seq.request.max_tokens - seq.n_generated - 1,
                     self.seq_len - len(seq.tokens))
-        return seq.drafter.draft(seq.tokens, seq.n_generated, worth, limit)
+        return seq.drafter.draft(seq.tokens, seq.n_generated, worth, limit, expected_only)
 
     def _chunk_end(self, seq: _Sequence, budget: int) -> int:
         """Where the sequence's next prompt chunk ends. A recurrent model's state can be kept

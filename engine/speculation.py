@@ -27,8 +27,9 @@ from engine.scheduler import StepCost
 # The n-grams a draft is looked up by, longest first: a longer match predicts better.
 NGRAM_SIZES = (4, 3, 2)
 MAX_DRAFT = 16  # tokens verified at once for one sequence
-# Beyond this many streams decoding together no sequence drafts: unique prompts at
-# concurrency 4 measured 0.82x with drafts allowed (loadtest.speculation, 2026-12-04).
+# Beyond this many streams decoding together a sequence drafts only from an expected output
+# (a prediction, an earlier answer to its prompt), not from lookups: unique prompts at
+# concurrency 4 measured 0.82x with lookups allowed (loadtest.speculation, 2026-12-04).
 MAX_DRAFTING_STREAMS = 2
 # The request's own text; the client's predicted output; an earlier answer to the same prompt;
 # what most often followed in the answers given lately (SuffixIndex)
@@ -245,13 +246,17 @@ class Drafter:
         "suffix": Acceptance()})
     source: str = "prompt"
 
-    def draft(self, tokens: list[int], n_generated: int, worth: float, limit: int) -> list[int]:
+    def draft(self, tokens: list[int], n_generated: int, worth: float, limit: int,
+              expected_only: bool = False) -> list[int]:
+        """`expected_only`: from an expected output only (many streams decode together)."""
         for source, expected in self.expected.items():
             n = self.acceptance[source].length(worth, limit)
             drafted = expected.draft(tokens, n_generated, n) if n else []
             if drafted:
                 self.source = source
                 return drafted
+        if expected_only:
+            return []
         best: tuple[int, list[int]] = (0, [])
         self.source = "prompt"
         for source, lookup in self.lookups.items():

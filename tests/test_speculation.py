@@ -20,6 +20,8 @@ from engine.scheduler import PRIOR, StepCost
 from engine.speculation import (
     MAX_DRAFTING_STREAMS,
     Acceptance,
+    Drafter,
+    PredictedOutput,
     PromptLookup,
     SuffixIndex,
     draft_row_worth,
@@ -104,6 +106,18 @@ def test_answers_are_kept_per_namespace_and_the_oldest_forgotten():
     assert index.draft("b", prompt, 4) == (16, [9, 9, 9, 9])
     index.add("b", prompt, [9] * 11)  # beyond capacity alone: nothing of it is kept
     assert index._size == 0 and not index._counts
+
+
+def test_with_many_streams_only_an_expected_output_drafts():
+    """Beyond MAX_DRAFTING_STREAMS decoding together a lookup's even chance is not worth
+    every stream's row; a prediction or an earlier answer, nearly always right, is."""
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3]  # a prompt of five, three generated
+    drafter = Drafter()
+    assert drafter.draft(tokens, 3, worth=0.1, limit=3) == [4, 5, 1]  # prompt lookup
+    assert drafter.draft(tokens, 3, worth=0.1, limit=4, expected_only=True) == []
+    drafter.expected["history"] = PredictedOutput([1, 2, 3, 9, 9])
+    assert drafter.draft(tokens, 3, worth=0.1, limit=4, expected_only=True) == [9, 9]
+    assert drafter.source == "history"
 
 
 def test_draft_length_follows_acceptance():
