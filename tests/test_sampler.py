@@ -14,10 +14,13 @@ from gateway.structured import grammar_for
 from loadtest.workloads import RECORD_SCHEMA
 
 
-def generate(model, settings: SamplerSettings, n_tokens: int = 120) -> tuple[list[int], int]:
-    """Greedy tokens for a JSON prompt, and how many picks masked the whole vocabulary."""
+def generate(model, settings: SamplerSettings, n_tokens: int = 120, may_end: bool = True
+             ) -> tuple[list[int], int]:
+    """Greedy tokens for a JSON prompt, and how many picks masked the whole vocabulary.
+    may_end=False: the end of generation is banned (ignore_eos) until the grammar's end."""
     ctx, batch = Context(model, ContextShape(2048, 1, 512, 2, flash_attn=True)), Batch(512)
-    sampler, candidates = Sampler(settings, model, 2048), Candidates(model.n_vocab)
+    sampler = Sampler(settings, model, 2048, ban_eog=not may_end)
+    candidates = Candidates(model.n_vocab)
     full_passes, pick = [0], sampler._pick
 
     def counted(*args, with_grammar: bool, **kw):
@@ -30,7 +33,7 @@ def generate(model, settings: SamplerSettings, n_tokens: int = 120) -> tuple[lis
     try:
         for _ in range(n_tokens):
             ctx.decode(batch)
-            token = sampler.sample(ctx, index, candidates)
+            token = sampler.sample(ctx, index, candidates, allow_eog=may_end)
             if model.is_eog(token):
                 break
             out.append(token)
@@ -45,11 +48,14 @@ def generate(model, settings: SamplerSettings, n_tokens: int = 120) -> tuple[lis
 
 
 @pytest.mark.parametrize("penalties", [{}, {"frequency_penalty": 0.5}])
-def test_greedy_grammar_picks_equal_a_full_pass(local_model, monkeypatch, penalties):
+@pytest.mark.parametrize("may_end", [True, False])
+def test_greedy_grammar_picks_equal_a_full_pass(local_model, monkeypatch, penalties, may_end):
     settings = SamplerSettings(temperature=0.0, **penalties, grammar=grammar_for(
         "json_schema", {"name": "record", "schema": RECORD_SCHEMA}))
-    fast, fast_passes = generate(local_model, settings)
+    fast, fast_passes = generate(local_model, settings, may_end=may_end)
+    monkeypatch.setattr(llama, "GREEDY_TRIES", 1)  # past the pick, one partial sort at once
+    partial_sort, _ = generate(local_model, settings, may_end=may_end)
     monkeypatch.setattr(llama, "GREEDY_SEARCH", 0)  # every rejected pick masks everything
-    full, full_passes = generate(local_model, settings)
-    assert fast == full and len(fast) > 20
+    full, full_passes = generate(local_model, settings, may_end=may_end)
+    assert fast == partial_sort == full and len(fast) > 20
     assert full_passes > 2 * fast_passes
