@@ -340,9 +340,6 @@ class Candidates:
     def selected(self) -> int:
         return self.raw.data[self.raw.selected].id
 
-    def ids(self) -> np.ndarray:
-        return self._data["id"][: self.raw.size]
-
     def logits(self) -> np.ndarray:
         return self._data["logit"][: self.raw.size]
 
