@@ -74,6 +74,12 @@ log = logging.getLogger(__name__)
 PACK_PROMPTS_BELOW = 64
 # Beside running decodes a step takes as many prompt tokens as the target time between a
 # stream's tokens allows (engine/scheduler.py).
+# llama.cpp's CPU flash attention over F16 KV computes a call of at least this many rows in
+# tiles of 64 rows by 64 cells, and skips a tile only where every row masks every cell. A tile
+# holding several sequences' decode rows skips none, so beside a prompt chunk each decode row
+# pays for attention over every sequence's cells: 7 decodes and 64 prompt tokens took 347 ms in
+# one call, 286 ms as two (8 sequences of 300 cells; one call under 64 rows skips cell by cell).
+FA_TILE_ROWS = 64
 
 
 class OutputSink(Protocol):
@@ -145,7 +151,9 @@ class Engine:
         self.ctx = Context(model, shape)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
-        self.scheduler = Scheduler(config.target_tpot_ms / 1000, StepCostFit())
+        self._tiles_mix_sequences = shape.flash_attn and shape.kv_type == "f16"
+        self.scheduler = Scheduler(config.target_tpot_ms / 1000, StepCostFit(),
+                                   prompts_apart=self._tiles_mix_sequences)
         self._candidates = Candidates(model.n_vocab)
         # What a block of this context's KV looks like; None: nothing is cached.
         self.kv_layout = cacheable_layout(model, self.ctx, config.cache)
@@ -249,14 +257,13 @@ class Engine:
         if not self._running:
             return
         while True:
-            entries = self._plan_batch()
-            if not entries:  # prompt chunks found no free cells
+            plan = self._plan_batch()
+            if not plan:  # prompt chunks found no free cells
                 self._preempt_newest()
                 continue
             try:
-                started = time.perf_counter()
-                self.ctx.decode(self._batch)
-                break
+                self._compute(plan)
+                return
             except KVCacheFull:
                 self._preempt_newest()
             except DecodeError as exc:
@@ -264,6 +271,31 @@ class Engine:
                 for seq in list(self._running):
                     self._finish(seq, Output(error=str(exc)))
                 return
+
+    def _compute(self, plan: list[tuple[_Sequence, list[int]]]) -> None:
+        """Computes the planned rows in one llama_decode call, or in two where decode rows
+        would share flash-attention tiles with prompt rows: the decodes, then the prompts.
+        Raises KVCacheFull only when nothing was computed."""
+        calls = [plan]
+        decodes = [entry for entry in plan if entry[0].pending == 1]
+        if self._tiles_mix_sequences and decodes and len(decodes) < len(plan) and \
+                sum(len(tokens) for _, tokens in plan) >= FA_TILE_ROWS:
+            calls = [decodes, [entry for entry in plan if entry[0].pending > 1]]
+        for i, call in enumerate(calls):
+            entries = self._fill_batch(call)
+            started = time.perf_counter()
+            try:
+                self.ctx.decode(self._batch)
+            except KVCacheFull:
+                if i == 0:
+                    raise
+                self._preempt_newest()  # the decodes are done: the prompts wait a step
+                return
+            self._take_outputs(entries, started)
+
+    def _take_outputs(self, entries: list[tuple[_Sequence, int, int | None]],
+                      started: float) -> None:
+        """Advances the sequences past the call's rows and samples where it gave logits."""
         # Drafts count with the prompt tokens: rows beside the decodes, costing about as much.
         n_decode = sum(1 for seq, _, _ in entries if seq.pending == 1)
         for seq, n_tokens, batch_index in entries:
@@ -278,7 +310,7 @@ class Engine:
                 self._store_completed_blocks(seq, n_tokens)
             if batch_index is not None:
                 self._sample(seq, batch_index)
-        # The step as the running streams wait for it: decoding, sampling and storing.
+        # The call as the running streams wait for it: computing, sampling and storing.
         self.scheduler.fit.observe(n_decode, sum(n for _, n, _ in entries) - n_decode,
                                    time.perf_counter() - started)
 
@@ -403,11 +435,10 @@ class Engine:
 
     # ----- one step ---------------------------------------------------------------------------
 
-    def _plan_batch(self) -> list[tuple[_Sequence, int, int | None]]:
-        """Fills the batch: one token for every generating sequence, then prompt chunks in
-        arrival order while the token budget and the free cells last, and only while the
-        step's prompt tokens are fewer than PACK_PROMPTS_BELOW. Returns (sequence, tokens
-        added, batch index of its logits or None)."""
+    def _plan_batch(self) -> list[tuple[_Sequence, list[int]]]:
+        """The step's rows: one token for every generating sequence (and its draft), then
+        prompt chunks in arrival order while the token budget and the free cells last, and
+        only while the step's prompt tokens are fewer than PACK_PROMPTS_BELOW."""
         decoding = [seq for seq in self._running if seq.pending == 1]
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
             victim = self._preempt_newest()
@@ -428,9 +459,15 @@ class Engine:
                 plan.append((seq, chunk))
                 budget -= len(chunk)
                 prompt_tokens += len(chunk)
+        return plan
+
+    def _fill_batch(self, plan: list[tuple[_Sequence, list[int]]]
+                    ) -> list[tuple[_Sequence, int, int | None]]:
+        """Puts the planned rows in the batch. Returns (sequence, tokens added, batch index of
+        its logits or None)."""
         # In sequence-id order: llama.cpp splits a batch whose sequences are out of order into
         # many small compute passes (8 decodes took twice as long in reverse order).
-        plan.sort(key=lambda entry: entry[0].slot)
+        plan = sorted(plan, key=lambda entry: entry[0].slot)
         self._batch.clear()
         entries = []
         for seq, tokens in plan:

@@ -86,10 +86,15 @@ class Scheduler:
 
     target_seconds: float
     fit: StepCostFit
+    # The engine may compute the prompt tokens in a call after the decodes' (engine/batching.py,
+    # FA_TILE_ROWS), which pays the fixed part again.
+    prompts_apart: bool = False
 
     def prompt_budget(self, n_decode: int, capacity: int) -> int:
         """Prompt tokens a step may take beside n_decode decodes, within `capacity` tokens."""
         if n_decode == 0:  # nobody waits for this step: the whole batch
             return capacity
-        within = self.fit.cost.prompt_tokens_within(self.target_seconds, n_decode)
+        cost = self.fit.cost
+        target = self.target_seconds - (cost.fixed if self.prompts_apart else 0.0)
+        within = cost.prompt_tokens_within(target, n_decode)
         return min(capacity - n_decode, max(MIN_PROMPT_TOKENS, within))

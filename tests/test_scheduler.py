@@ -5,10 +5,17 @@ arrival order within the budget, as engine/batching.py plans it."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
+
 import numpy as np
 import pytest
 
+from engine.batching import FA_TILE_ROWS
+from engine.config import CacheConfig, EngineConfig
+from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import MIN_PROMPT_TOKENS, PRIOR, Scheduler, StepCost, StepCostFit
+from tests.local_engine import LocalEngine
 
 TRUE_COST = StepCost(fixed=0.010, per_decode=0.003, per_prompt=0.002)
 
@@ -103,3 +110,59 @@ def test_a_tighter_target_trades_first_tokens_for_smoother_streams():
     tight, loose = medians(0.06), medians(0.6)
     assert tight[1] < loose[1]  # TPOT
     assert tight[0] > loose[0]  # TTFT
+
+
+def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(local_model):
+    """A stream's decode row and a prompt chunk of 64 rows or more would share llama.cpp's
+    flash-attention tiles, which then skip no other sequence's cells: the engine computes them
+    in two calls. The stream's row then takes the path it takes alone, so its greedy tokens
+    are the same whether or not a prompt is computed beside it."""
+    # A target that leaves room for chunks of a few hundred tokens beside the stream.
+    local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
+                                                        target_tpot_ms=2000,
+                                                        cache=CacheConfig(enabled=False)))
+    calls: list[collections.Counter] = []  # rows per sequence id, per llama_decode call
+    decode = local.engine.ctx.decode
+
+    def recording(batch):
+        calls.append(collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch))))
+        decode(batch)
+
+    local.engine.ctx.decode = recording
+    stream = GenerationRequest(local_model.tokenize("Count from one to fifty:", add_special=True,
+                                                    parse_special=False),
+                               max_tokens=40, ignore_eos=True,
+                               sampler=SamplerSettings(temperature=0.0))
+    beside = GenerationRequest(local_model.tokenize("Tell me about rivers. " * 60,
+                                                    add_special=True, parse_special=False),
+                               max_tokens=2, ignore_eos=True,
+                               sampler=SamplerSettings(temperature=0.0))
+
+    async def generated(request, prompt_arrives: asyncio.Event | None = None):
+        outputs = []
+        async for output in local.submit(request).outputs():
+            outputs.append(output)
+            if prompt_arrives and len(outputs) == 3:
+                prompt_arrives.set()
+        return outputs[-1].generated
+
+    async def with_a_prompt_beside():
+        arrives = asyncio.Event()
+        stream_task = asyncio.create_task(generated(stream, arrives))
+        await arrives.wait()
+        await generated(beside)
+        return await stream_task
+
+    try:
+        alone = asyncio.run(generated(stream))
+        calls.clear()
+        assert asyncio.run(with_a_prompt_beside()) == alone
+        stream_slot = max(calls[0])  # the stream ran alone in its first calls
+        chunks = [i for i, rows in enumerate(calls) if any(n > 1 for n in rows.values())]
+        assert chunks, "the prompt beside was never computed"
+        assert any(stream_slot in calls[i - 1] for i in chunks)  # while the stream decoded
+        assert max(sum(calls[i].values()) for i in chunks) >= FA_TILE_ROWS
+        for rows in calls:
+            assert not (stream_slot in rows and rows.total() >= FA_TILE_ROWS), rows
+    finally:
+        local.stop()
