@@ -46,8 +46,8 @@ class EngineConfig:
     deterministic: bool = False
     swa_full: bool = False  # see ContextShape.swa_full; README, "How it works", says why not
     # The time between a running stream's tokens that prompt chunks beside it may stretch a
-    # step to (engine/scheduler.py).
-    target_tpot_ms: float = 250
+    # step to (engine/scheduler.py). docs/scheduler.md has the measurement that chose it.
+    target_tpot_ms: float = 1000
     # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
     speculation: bool = True
     cache: CacheConfig = CacheConfig()

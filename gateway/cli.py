@@ -91,9 +91,9 @@ def _engine(p: argparse._ArgumentGroup) -> None:
                         "each sequence's last window, as llama-server's default. More memory "
                         "(Gemma 3: 6x), and no more prefix hits: blocks keep the window")
     p.add_argument("--target-tpot-ms", type=float, default=EngineConfig.target_tpot_ms,
-                   help="the time between a running stream's tokens that prompts computed "
-                        "beside it may stretch a step to: lower gives smoother streams, higher "
-                        "sooner first tokens for waiting requests (default %(default)s)")
+                   help="the longest a step computing prompts beside running streams may take, "
+                        "so the longest pause in a stream: lower gives more even streams, "
+                        "higher sooner first tokens and more work done (default %(default)s)")
     p.add_argument("--speculation", choices=("on", "off"), default=None,
                    help="draft tokens from the request's own prompt and output where they "
                         "repeat, and verify them in the step's batch: the same output, sooner "
