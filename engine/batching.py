@@ -77,8 +77,8 @@ PACK_PROMPTS_BELOW = 64
 # llama.cpp's CPU flash attention over F16 KV computes a call of at least this many rows in
 # tiles of 64 rows by 64 cells, and skips a tile only where every row masks every cell. A tile
 # holding several sequences' decode rows skips none, so beside a prompt chunk each decode row
-# pays for attention over every sequence's cells: 7 decodes and 64 prompt tokens took 347 ms in
-# one call, 286 ms as two (8 sequences of 300 cells; one call under 64 rows skips cell by cell).
+# pays for attention over every sequence's cells: 7 decodes and 64 prompt tokens took 355 ms in
+# one call, 297 ms as two (loadtest.step_cost; a call under 64 rows skips cell by cell).
 FA_TILE_ROWS = 64
 
 

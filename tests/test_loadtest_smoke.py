@@ -27,6 +27,14 @@ def test_benchmark_runner_smoke(tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
+def test_step_cost_prints_both_tables():
+    out = subprocess.run([sys.executable, "-m", "loadtest.step_cost", "--repeats", "1"],
+                         cwd=ROOT, check=True, timeout=600, capture_output=True, text=True).stdout
+    rows = [line for line in out.splitlines() if line.endswith(" ms |")]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {n} tokens" for n in (16, 64, 128, 256)]
+    assert "| in a context of its own, KV moved in after |" in out
+
+
 def test_locust_users_report_ttft_and_tokens_per_second(gateway, tmp_path):
     subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py",
                     "--headless", "-u", "3", "-r", "3", "-t", "20s", "--host", gateway.base_url,
