@@ -290,5 +290,9 @@ def test_with_tools_offered_a_text_answer_streams_as_it_comes(server):
                                  "tools": [WEATHER],
                                  "messages": [{"role": "user", "content": QUESTION}]})
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
-    assert len(deltas) > 3 and all(d["type"] == "text_delta" for d in deltas)
+    assert all(d["type"] == "text_delta" for d in deltas)
+    # The first token is computed in a step of its own, so it comes before the rest (later
+    # ones may come several to a delta: drafts accepted in one step, as an earlier test's
+    # answer to the same question drafts this one).
+    assert len(deltas) >= 2 and deltas[0]["text"].strip()
     assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
