@@ -25,7 +25,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
@@ -87,6 +87,7 @@ class Settings:
     smoke: bool
     gateway_args: list[str] = field(default_factory=list)
     workloads: list[str] = field(default_factory=lambda: list(LEVEL_WORKLOADS))
+    requests_scale: int = 1
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,13 @@ class Sizes:
     stream_prompt_tokens: int
     stream_question_tokens: int
 
+    def scaled(self, k: int) -> Sizes:
+        """k times the requests of every per-level workload: a closed loop's start and end
+        then weigh less in its figures."""
+        return replace(self, groups=self.groups * k, conversations=self.conversations * k,
+                       unique_prompts=self.unique_prompts * k,
+                       structured_prompts=self.structured_prompts * k)
+
     def describe(self) -> str:
         return (f"shared prefix = {self.groups} groups x {self.prompts_per_group} prompts, each a "
                 f"{self.prefix_tokens}-token system prompt + a {self.question_tokens}-token "
@@ -390,7 +398,7 @@ def run_streams(server: RunningServer, system: System, sizes: Sizes, model: Mode
 def run(settings: Settings, names: list[str], llama_server: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model = Model(str(settings.model))
-    sizes = SMOKE if settings.smoke else FULL
+    sizes = (SMOKE if settings.smoke else FULL).scaled(settings.requests_scale)
     results: dict = {"machine": machine_info(settings), "workloads": sizes.describe(),
                      "streams_note": STREAMS_NOTE, "systems": {}, "runs": [], "prefill": [],
                      "streams": []}
@@ -465,6 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny workloads, prefixgate only")
     p.add_argument("--workloads", nargs="+", choices=LEVEL_WORKLOADS,
                    default=list(LEVEL_WORKLOADS), help="the per-level workloads to run")
+    p.add_argument("--requests-scale", type=int, default=1,
+                   help="k times the requests of every per-level workload (less noise, k "
+                        "times as long)")
     p.add_argument("--gateway-args", nargs="+", default=[],
                    help="extra flags for prefixgate, e.g. --gateway-args=--batch-tokens=128")
     return p.parse_args(argv)
@@ -476,7 +487,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     parallel=args.parallel, ctx_size=args.ctx_size,
                     concurrency=[2] if args.smoke else args.concurrency, streams=streams,
                     output_tokens=8 if args.smoke else args.output_tokens, smoke=args.smoke,
-                    gateway_args=args.gateway_args, workloads=args.workloads)
+                    gateway_args=args.gateway_args, workloads=args.workloads,
+                    requests_scale=args.requests_scale)
 
 
 def main() -> None:

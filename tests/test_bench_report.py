@@ -218,3 +218,13 @@ def test_structured_output_throughput_is_compared_per_request(tmp_path):
     table = write_report(figures, tmp_path, plots=False).splitlines()
     assert ("- prefixgate vs llama-server, structured output, concurrency 4, throughput: "
             "0.600 vs 0.500 req/s = 1.20x (target >= 1x): met.") in table
+
+
+def test_requests_scale_multiplies_every_per_level_workload():
+    settings = settings_from(parse_args(["--model", "m.gguf", "--requests-scale", "3"]))
+    scaled = FULL.scaled(settings.requests_scale)
+    assert (scaled.groups, scaled.conversations, scaled.unique_prompts,
+            scaled.structured_prompts) == (6, 12, 48, 24)
+    assert (scaled.prefix_tokens, scaled.turns, scaled.unique_tokens) == (
+        FULL.prefix_tokens, FULL.turns, FULL.unique_tokens)  # the same requests, more of them
+    assert "unique = 48 prompts" in scaled.describe()
