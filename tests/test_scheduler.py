@@ -13,6 +13,7 @@ import pytest
 
 from engine.batching import FA_TILE_ROWS
 from engine.config import CacheConfig, EngineConfig
+from engine.llama import KVCacheFull
 from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import MIN_PROMPT_TOKENS, PRIOR, Scheduler, StepCost, StepCostFit
 from tests.local_engine import LocalEngine
@@ -164,5 +165,62 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
         assert max(sum(calls[i].values()) for i in chunks) >= FA_TILE_ROWS
         for rows in calls:
             assert not (stream_slot in rows and rows.total() >= FA_TILE_ROWS), rows
+    finally:
+        local.stop()
+
+
+def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothing(local_model):
+    """When the second call of a step (the prompt chunk, after the decodes were computed and
+    sampled) finds no KV cells, the newest request is preempted and resumes later: both
+    requests finish whole, the stream's tokens as alone, and no cell or block stays held."""
+    local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
+                                                        target_tpot_ms=2000))
+    decode = local.engine.ctx.decode
+    refused, previous = [], collections.Counter()
+
+    def full_once(batch):
+        nonlocal previous
+        seqs = collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch)))
+        # The prompt's call right after another sequence's decode: a step's second call.
+        if not refused and len(seqs) == 1 and len(batch) >= FA_TILE_ROWS and \
+                previous and not previous.keys() & seqs.keys():
+            refused.append(len(batch))
+            raise KVCacheFull("no free KV cells (test)")
+        previous = seqs
+        decode(batch)
+
+    stream = GenerationRequest(local_model.tokenize("Count from one to fifty:", add_special=True,
+                                                    parse_special=False),
+                               max_tokens=40, ignore_eos=True,
+                               sampler=SamplerSettings(temperature=0.0))
+    beside = GenerationRequest(local_model.tokenize("Tell me about rivers. " * 60,
+                                                    add_special=True, parse_special=False),
+                               max_tokens=4, ignore_eos=True,
+                               sampler=SamplerSettings(temperature=0.0))
+
+    async def final(request, started: asyncio.Event | None = None):
+        outputs = []
+        async for output in local.submit(request).outputs():
+            outputs.append(output)
+            if started and len(outputs) == 3:
+                started.set()
+        return outputs[-1]
+
+    async def with_a_prompt_beside():
+        started = asyncio.Event()
+        stream_task = asyncio.create_task(final(stream, started))
+        await started.wait()
+        return await asyncio.gather(stream_task, final(beside))
+
+    try:
+        alone = asyncio.run(final(stream)).generated
+        local.engine.ctx.decode = full_once
+        streamed, prompted = asyncio.run(with_a_prompt_beside())
+        assert refused, "the prompt's call was never refused"
+        assert local.settled().preemptions == 1
+        assert streamed.error is None and streamed.generated == alone
+        assert prompted.error is None and len(prompted.generated) == 4
+        assert local.settled().cells_used == 0
+        local.assert_released()
     finally:
         local.stop()
