@@ -51,6 +51,8 @@ from engine.messages import (
     TokenLogprob,
     Usage,
 )
+from engine.prefill_context import SEQ as PREFILL_SEQ
+from engine.prefill_context import PrefillContext
 from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
 from engine.scheduler import Scheduler, StepCostFit
 from engine.speculation import (
@@ -112,6 +114,7 @@ class _Sequence:
     drafter: Drafter = field(default_factory=Drafter)
     draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
     predicted: list[int] = field(default_factory=lambda: [0, 0])  # accepted, rejected
+    apart: bool = False  # its prompt is being computed in the prefill context, not the pool
 
     @property
     def n_generated(self) -> int:
@@ -154,6 +157,11 @@ class Engine:
         self._tiles_mix_sequences = shape.flash_attn and shape.kv_type == "f16"
         self.scheduler = Scheduler(config.target_tpot_ms / 1000, StepCostFit(),
                                    prompts_apart=self._tiles_mix_sequences)
+        # A pool sequence's share of the cells: the longest prompt computed apart from them.
+        self.prefill = PrefillContext(model, shape, min(self.seq_len, shape.n_ctx //
+                                                        config.parallel)) \
+            if config.prefill_context and self.unified and self._tiles_mix_sequences and \
+            not model.has_recurrent_state and model.n_swa == 0 else None
         self._candidates = Candidates(model.n_vocab)
         # What a block of this context's KV looks like; None: nothing is cached.
         self.kv_layout = cacheable_layout(model, self.ctx, config.cache)
@@ -216,6 +224,8 @@ class Engine:
             log.error("the engine thread did not stop within %.0f s; leaving its context", timeout)
             return
         self._batch.close()
+        if self.prefill:
+            self.prefill.close()
         self.ctx.close()
 
     @property
@@ -274,27 +284,33 @@ class Engine:
 
     def _compute(self, plan: list[tuple[_Sequence, list[int]]]) -> None:
         """Computes the planned rows in one llama_decode call, or in two where decode rows
-        would share flash-attention tiles with prompt rows: the decodes, then the prompts.
-        Raises KVCacheFull only when nothing was computed."""
-        calls = [plan]
-        decodes = [entry for entry in plan if entry[0].pending == 1]
-        if self._tiles_mix_sequences and decodes and len(decodes) < len(plan) and \
-                sum(len(tokens) for _, tokens in plan) >= FA_TILE_ROWS:
-            calls = [decodes, [entry for entry in plan if entry[0].pending > 1]]
-        for i, call in enumerate(calls):
+        would share flash-attention tiles with prompt rows: the decodes, then the prompts; and
+        the chunk of the prompt computed apart in a call of its own, last. Raises KVCacheFull
+        only when nothing was computed."""
+        apart = [entry for entry in plan if entry[0].apart]
+        pooled = [entry for entry in plan if not entry[0].apart]
+        calls = [(self.ctx, pooled)] if pooled else []
+        decodes = [entry for entry in pooled if entry[0].pending == 1]
+        if self._tiles_mix_sequences and decodes and len(decodes) < len(pooled) and \
+                sum(len(tokens) for _, tokens in pooled) >= FA_TILE_ROWS:
+            calls = [(self.ctx, decodes),
+                     (self.ctx, [entry for entry in pooled if entry[0].pending > 1])]
+        if apart:
+            calls.append((self.prefill.ctx, apart))
+        for i, (ctx, call) in enumerate(calls):
             entries = self._fill_batch(call)
             started = time.perf_counter()
             try:
-                self.ctx.decode(self._batch)
+                ctx.decode(self._batch)
             except KVCacheFull:
                 if i == 0:
                     raise
                 self._preempt_newest()  # the decodes are done: the prompts wait a step
                 return
-            self._take_outputs(entries, started)
+            self._take_outputs(entries, started, ctx)
 
     def _take_outputs(self, entries: list[tuple[_Sequence, int, int | None]],
-                      started: float) -> None:
+                      started: float, ctx: Context) -> None:
         """Advances the sequences past the call's rows and samples where it gave logits."""
         # Drafts count with the prompt tokens: rows beside the decodes, costing about as much.
         n_decode = sum(1 for seq, _, _ in entries if seq.pending == 1)
@@ -305,14 +321,32 @@ class Engine:
             if seq.n_generated == 0:
                 self._computed_tokens += n_tokens
             seq.n_past += n_tokens
-            self.cells.add(seq.slot, n_tokens)
+            if seq.apart:
+                if seq.pending or not self._move_into_pool(seq):
+                    continue
+            else:
+                self.cells.add(seq.slot, n_tokens)
             if self.cache and self.cache.stores_eagerly:
                 self._store_completed_blocks(seq, n_tokens)
             if batch_index is not None:
-                self._sample(seq, batch_index)
+                self._sample(seq, batch_index, ctx)
         # The call as the running streams wait for it: computing, sampling and storing.
         self.scheduler.fit.observe(n_decode, sum(n for _, n, _ in entries) - n_decode,
                                    time.perf_counter() - started)
+
+    def _move_into_pool(self, seq: _Sequence) -> bool:
+        """Moves a prompt computed apart into the pool. Where the pool has no room for it, the
+        prompt is computed again in the pool (False)."""
+        seq.apart = False
+        try:
+            self.prefill.move_into(self.ctx, seq.slot)
+        except DecodeError:
+            log.warning("no room in the pool for a prompt of %d tokens computed apart; "
+                        "computing it there", seq.n_past)
+            seq.n_past = 0
+            return False
+        self.cells.add(seq.slot, seq.n_past)
+        return True
 
     def _store_completed_blocks(self, seq: _Sequence, n_tokens: int) -> None:
         """Stores the blocks the step completed, while all their KV is still in the context."""
@@ -388,6 +422,11 @@ class Engine:
             self._load_cached(seq, donor, live, first)
         if first:
             seq.cached = seq.n_past
+        # A prompt with nothing to share is computed apart from the other sequences' cells;
+        # one too short for a call of its own stays beside the decodes.
+        if self.prefill and first and seq.n_past == 0 and len(seq.tokens) >= FA_TILE_ROWS \
+                and self.prefill.takes(len(seq.tokens)):
+            seq.apart = self.prefill.busy = True
 
     def _load_cached(self, seq: _Sequence, donor: _Sequence | None, live: int,
                      first: bool) -> None:
@@ -412,7 +451,7 @@ class Engine:
         if not self.unified or not self.cache or self.cache.keeps_states:
             return best, best_len  # streams share no cells; no cache, no reuse
         for other in self._running:
-            if other.request.namespace != namespace:
+            if other.request.namespace != namespace or other.apart:  # its cells are elsewhere
                 continue
             n = common_prefix(tokens, other.kv_tokens())
             if n > best_len:
@@ -439,7 +478,7 @@ class Engine:
         """The step's rows: one token for every generating sequence (and its draft), then
         prompt chunks in arrival order while the token budget and the free cells last, and
         only while the step's prompt tokens are fewer than PACK_PROMPTS_BELOW."""
-        decoding = [seq for seq in self._running if seq.pending == 1]
+        decoding = [seq for seq in self._running if seq.pending == 1 and not seq.apart]
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
             victim = self._preempt_newest()
             decoding = [seq for seq in decoding if seq is not victim]
@@ -454,7 +493,7 @@ class Engine:
         for seq in self._running:
             if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
                 break
-            if seq.pending > 1:
+            if seq.pending > 1 or seq.apart:
                 chunk = seq.tokens[seq.n_past: self._chunk_end(seq, budget)]
                 plan.append((seq, chunk))
                 budget -= len(chunk)
@@ -474,7 +513,8 @@ class Engine:
             # The draft, past the known tokens, is verified: a row of logits for each position.
             n_logits = len(seq.draft) + 1 if seq.draft else \
                 int(seq.n_past + len(tokens) == len(seq.tokens))
-            index = self._batch.add(tokens, seq.n_past, seq.slot, n_logits)
+            index = self._batch.add(tokens, seq.n_past, PREFILL_SEQ if seq.apart else seq.slot,
+                                    n_logits)
             entries.append((seq, len(tokens), index if n_logits else None))
         return entries
 
@@ -526,7 +566,7 @@ class Engine:
             raise RuntimeError("one request needs more KV cells than the context has")
         victim = max(self._running, key=lambda seq: seq.admitted)
         log.info("no free KV cells: preempting a request after %d tokens", victim.n_past)
-        if self.cache and victim.n_past:
+        if self.cache and victim.n_past and not victim.apart:
             held = self.cache.store(victim.kv_tokens(), victim.request.namespace, victim.slot,
                                     final=False, hold=True)
             if held is not None:
@@ -538,9 +578,10 @@ class Engine:
         self._preemptions += 1
         return victim
 
-    def _sample(self, seq: _Sequence, batch_index: int) -> None:
+    def _sample(self, seq: _Sequence, batch_index: int, ctx: Context) -> None:
+        """Samples from the logits `ctx`'s last call left at `batch_index`."""
         prompt_done = seq.n_generated == 0
-        if not self._add_token(seq, self._pick(seq, batch_index, 0), batch_index):
+        if not self._add_token(seq, self._pick(seq, batch_index, 0, ctx), batch_index, ctx):
             return
         self._deliver_progress(seq, first=prompt_done)
         if self.cache and prompt_done and not self.unified:
@@ -556,7 +597,7 @@ class Engine:
         draft, seq.draft = seq.draft, []
         picks: list[int] = []
         for i in range(len(draft) + 1):
-            picks.append(self._pick(seq, batch_index + i, i))
+            picks.append(self._pick(seq, batch_index + i, i, self.ctx))
             if i == len(draft) or picks[-1] != draft[i] or self.model.is_eog(picks[-1]):
                 break
         accepted = len(picks) - 1
@@ -572,19 +613,19 @@ class Engine:
         self.cells.add(seq.slot, 1 + accepted)
         for i, token in enumerate(picks):
             seq.n_past = start + 1 + i  # the tokens before this pick, as a step apiece would
-            if not self._add_token(seq, token, batch_index + i):
+            if not self._add_token(seq, token, batch_index + i, self.ctx):
                 return
         if self.cache and self.cache.stores_eagerly:
             self._store_completed_blocks(seq, 1 + accepted)
         self._deliver_progress(seq, first=False)
 
-    def _pick(self, seq: _Sequence, batch_index: int, ahead: int) -> int:
+    def _pick(self, seq: _Sequence, batch_index: int, ahead: int, ctx: Context) -> int:
         """The sampler's token at a batch position, `ahead` tokens past the sequence's."""
         request = seq.request
         may_end = not request.ignore_eos and seq.n_generated + ahead >= request.min_tokens
-        return seq.sampler.sample(self.ctx, batch_index, self._candidates, allow_eog=may_end)
+        return seq.sampler.sample(ctx, batch_index, self._candidates, allow_eog=may_end)
 
-    def _add_token(self, seq: _Sequence, token: int, batch_index: int) -> bool:
+    def _add_token(self, seq: _Sequence, token: int, batch_index: int, ctx: Context) -> bool:
         """Adds a picked token to the sequence; False when it ended the request."""
         request = seq.request
         if self.model.is_eog(token):
@@ -592,7 +633,7 @@ class Engine:
             return False
         seq.tokens.append(token)
         if request.logprobs is not None:  # sampling left the logits as the model gave them
-            seq.logprobs.append(_token_logprob(self.ctx.logits(batch_index), token,
+            seq.logprobs.append(_token_logprob(ctx.logits(batch_index), token,
                                                request.logprobs))
         seq.unsent += seq.text.push(self.model.token_piece(token, token in request.shown_tokens))
         if seq.text.stopped:
@@ -645,6 +686,9 @@ class Engine:
         """Frees the sequence's slot and its hold on cells."""
         self._running.remove(seq)
         seq.draft = []
+        if seq.apart:
+            seq.apart = False
+            self.prefill.release()
         self.ctx.forget(seq.slot)
         self.cells.forget(seq.slot)
         self._free_slots.append(seq.slot)

@@ -50,6 +50,9 @@ class EngineConfig:
     target_tpot_ms: float = 1000
     # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
     speculation: bool = True
+    # Compute a fresh prompt in a context of its own, away from the pool's other sequences'
+    # cells, and move it into the pool when done (engine/prefill_context.py).
+    prefill_context: bool = True
     cache: CacheConfig = CacheConfig()
 
     def context_shape(self) -> ContextShape:

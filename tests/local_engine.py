@@ -59,8 +59,9 @@ class LocalEngine:
         """No request holds a cell or a block: only the tree references blocks."""
         snap = self.settled()
         assert snap.running == 0 and snap.waiting == 0 and self.engine.cells.used == 0
-        refcounts = self.index.pool.refcounts
-        assert (refcounts[refcounts > 0] == 1).all()
+        if self.index is not None:
+            refcounts = self.index.pool.refcounts
+            assert (refcounts[refcounts > 0] == 1).all()
 
     def stop(self) -> None:
         self.engine.stop()

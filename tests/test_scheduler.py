@@ -118,9 +118,11 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
     flash-attention tiles, which then skip no other sequence's cells: the engine computes them
     in two calls. The stream's row then takes the path it takes alone, so its greedy tokens
     are the same whether or not a prompt is computed beside it."""
-    # A target that leaves room for chunks of a few hundred tokens beside the stream.
+    # A target that leaves room for chunks of a few hundred tokens beside the stream; the
+    # prompt among the pool's cells, as one with a cached prefix is computed.
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
                                                         target_tpot_ms=2000,
+                                                        prefill_context=False,
                                                         cache=CacheConfig(enabled=False)))
     calls: list[collections.Counter] = []  # rows per sequence id, per llama_decode call
     decode = local.engine.ctx.decode
@@ -174,7 +176,8 @@ def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothin
     sampled) finds no KV cells, the newest request is preempted and resumes later: both
     requests finish whole, the stream's tokens as alone, and no cell or block stays held."""
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
-                                                        target_tpot_ms=2000))
+                                                        target_tpot_ms=2000,
+                                                        prefill_context=False))
     decode = local.engine.ctx.decode
     refused, previous = [], collections.Counter()
 
