@@ -56,8 +56,10 @@ def claude(server: GatewayProcess, home: Path, question: str, *args: str,
 @pytest.mark.timeout(900)  # three runs of Claude Code; a busy machine makes each slow
 def test_claude_code_sessions_share_the_system_prompt_and_resume_from_the_cache(server,
                                                                                  tmp_path):
-    first = claude(server, tmp_path / "one", "What is a tide?")
-    assert "tide" in first["result"].lower()
+    # Questions with one-line answers: greedy decoding of an open question ("What is a tide?")
+    # can run past the output limit, and whether it does turns on how the prompt was chunked.
+    first = claude(server, tmp_path / "one", "What is the capital of France?")
+    assert "paris" in first["result"].lower()
     usage = first["usage"]
     assert usage["cache_read_input_tokens"] < 16  # the template's opening at most
     assert usage["cache_creation_input_tokens"] > 800  # written up to its breakpoints
@@ -65,8 +67,8 @@ def test_claude_code_sessions_share_the_system_prompt_and_resume_from_the_cache(
     assert "4" in other["result"]
     # Another conversation, so another billing header: the system prompt is still shared.
     assert other["usage"]["cache_read_input_tokens"] >= 768
-    again = claude(server, tmp_path / "two", "And what is 3+3?", "--continue")
-    assert again["result"].strip()  # (the test model is no good at sums past 2+2)
+    again = claude(server, tmp_path / "two", "And what is the capital of Italy?", "--continue")
+    assert again["result"].strip()
     assert again["session_id"] == other["session_id"]
     # Its whole history was the last request's prompt and answer: read, not computed.
     history = sum(other["usage"][k] for k in ("input_tokens", "cache_read_input_tokens",

@@ -82,8 +82,11 @@ def answer(events: list[dict]) -> str:
 
 @pytest.mark.timeout(900)  # three runs of Codex; a busy machine makes each slow
 def test_codex_sessions_share_the_instructions_and_resume_from_the_cache(server, tmp_path):
-    one = codex(codex_home(server, tmp_path / "one"), tmp_path / "work", "What is a tide?")
-    assert "tide" in answer(one).lower()
+    # A question with a one-line answer: greedy decoding of an open one can ramble on, and
+    # whether it does turns on how the prompt was chunked (Claude Code's test failed so).
+    one = codex(codex_home(server, tmp_path / "one"), tmp_path / "work",
+                "What is the capital of France?")
+    assert "paris" in answer(one).lower()
     assert usage(one)["cached_input_tokens"] < 16
     home = codex_home(server, tmp_path / "two")
     two = codex(home, tmp_path / "work", "What is 2+2?")
