@@ -422,6 +422,11 @@ class Engine:
             self._load_cached(seq, donor, live, first)
         if first:
             seq.cached = seq.n_past
+        # A prompt with nothing to share is computed apart from the other sequences' cells;
+        # one too short for a call of its own stays beside the decodes.
+        if self.prefill and first and seq.n_past == 0 and len(seq.tokens) >= FA_TILE_ROWS \
+                and self.prefill.takes(len(seq.tokens)):
+            seq.apart = self.prefill.busy = True
 
     def _load_cached(self, seq: _Sequence, donor: _Sequence | None, live: int,
                      first: bool) -> None:
@@ -489,22 +494,11 @@ class Engine:
             if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
                 break
             if seq.pending > 1 or seq.apart:
-                if self._goes_apart(seq):
-                    seq.apart = self.prefill.busy = True
                 chunk = seq.tokens[seq.n_past: self._chunk_end(seq, budget)]
                 plan.append((seq, chunk))
                 budget -= len(chunk)
                 prompt_tokens += len(chunk)
         return plan
-
-    def _goes_apart(self, seq: _Sequence) -> bool:
-        """Whether a prompt with nothing to share, not yet begun, is computed apart from the
-        other sequences' cells (one too short for a call of its own stays beside the decodes).
-        Asked when its first chunk is planned, not at admission: of 8 turns admitted together,
-        7 were computed in the pool while the prefill context, free again, sat idle."""
-        return self.prefill is not None and not seq.apart and seq.n_past == 0 and \
-            seq.n_generated == 0 and len(seq.tokens) >= FA_TILE_ROWS and \
-            self.prefill.takes(len(seq.tokens))
 
     def _fill_batch(self, plan: list[tuple[_Sequence, list[int]]]
                     ) -> list[tuple[_Sequence, int, int | None]]:

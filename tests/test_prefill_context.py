@@ -117,37 +117,6 @@ def test_a_fresh_prompt_is_computed_apart_and_changes_no_token(local_model):
         local.stop()
 
 
-def test_fresh_prompts_admitted_together_are_all_computed_apart_in_turn(local_model):
-    """Two fresh prompts arrive together beside a stream: the second is admitted while the
-    first holds the prefill context, and takes it once the first has moved into the pool
-    (decided at admission, it was computed in the pool)."""
-    stream = greedy(local_model, "Count from one to fifty:", 60)
-    prompts = [greedy(local_model, "Tell me about rivers. " * 60, 8),
-               greedy(local_model, "Describe the mountains of the north. " * 40, 8)]
-    local = LocalEngine.start(local_model, CONFIG)
-    try:
-        pool_calls = recorded(local.engine.ctx)
-        apart_calls = recorded(local.engine.prefill.ctx)
-
-        async def run():
-            started = asyncio.Event()
-            stream_task = asyncio.create_task(generated(local, stream, started))
-            await started.wait()
-            return await asyncio.gather(stream_task,
-                                        *(generated(local, prompt) for prompt in prompts))
-
-        results = asyncio.run(run())
-        assert [len(tokens) for tokens in results] == [60, 8, 8]
-        assert sum(call.total() for call in apart_calls) == \
-            sum(len(prompt.prompt_tokens) for prompt in prompts)
-        # After the stream's short prompt, the pool only decoded.
-        assert all(n == 1 for call in pool_calls[1:] for n in call.values()), pool_calls
-        local.assert_released()
-        assert not local.engine.prefill.busy
-    finally:
-        local.stop()
-
-
 def test_a_request_sharing_a_prefix_computed_apart_waits_for_it_in_the_pool(local_model):
     """B's prompt begins with part of A's. B arrives while A's prompt is computed apart, past
     that part: B must not take the cells A does not yet have in the pool. It waits, then shares
