@@ -69,13 +69,6 @@ from engine.textstream import TextStream
 
 log = logging.getLogger(__name__)
 
-# A step costs about its token count, plus a fixed part (the weights are read once per step).
-# So prompts are computed one after another rather than side by side: the first gets its first
-# token as soon as it alone is computed, at the same total. Only short ones are packed together,
-# where the fixed part would dominate.
-PACK_PROMPTS_BELOW = 64
-# Beside running decodes a step takes as many prompt tokens as the target time between a
-# stream's tokens allows (engine/scheduler.py).
 # llama.cpp's CPU flash attention over F16 KV computes a call of at least this many rows in
 # tiles of 64 rows by 64 cells, and skips a tile only where every row masks every cell. A tile
 # holding several sequences' decode rows skips none, so beside a prompt chunk each decode row
@@ -476,8 +469,11 @@ class Engine:
 
     def _plan_batch(self) -> list[tuple[_Sequence, list[int]]]:
         """The step's rows: one token for every generating sequence (and its draft), then
-        prompt chunks in arrival order while the token budget and the free cells last, and
-        only while the step's prompt tokens are fewer than PACK_PROMPTS_BELOW."""
+        prompt chunks in arrival order while the token budget (engine/scheduler.py) and the
+        free cells last. Several prompts share a step rather than each taking one of its own:
+        the first still gets its first token soonest, a prompt row costs less in a bigger call,
+        and every step that computes prompt rows slows its decodes' call too (loadtest.step_cost
+        measures both)."""
         decoding = [seq for seq in self._running if seq.pending == 1 and not seq.apart]
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
             victim = self._preempt_newest()
@@ -489,15 +485,13 @@ class Engine:
             else 0
         if self.unified:
             budget = min(budget, self.cells.free - n_rows)
-        prompt_tokens = 0
         for seq in self._running:
-            if budget <= 0 or prompt_tokens >= PACK_PROMPTS_BELOW:
+            if budget <= 0:
                 break
             if seq.pending > 1 or seq.apart:
                 chunk = seq.tokens[seq.n_past: self._chunk_end(seq, budget)]
                 plan.append((seq, chunk))
                 budget -= len(chunk)
-                prompt_tokens += len(chunk)
         return plan
 
     def _fill_batch(self, plan: list[tuple[_Sequence, list[int]]]

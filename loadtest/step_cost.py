@@ -7,7 +7,10 @@ With 8 sequences of 300 cells in one unified F16 pool (flash attention, as the e
   decodes, then the chunk): a call of 64 rows or more computes attention in tiles that skip
   only cells every row of the tile masks (engine/batching.py, FA_TILE_ROWS);
 - a 272-token prompt computed in the pool, or in a context of its own with its KV moved in
-  after: what the other sequences' cells cost a prompt.
+  after: what the other sequences' cells cost a prompt;
+- later turns' chunks of 81 tokens, one to six of them in one call: what packing prompts into
+  a step saves a row (engine/batching.py, `_plan_batch`);
+- 7 decodes right after another decode call or after a prompt call.
 
 Prints the median of each, in ms, one table per question (docs/scheduler.md).
 """
@@ -26,6 +29,7 @@ from gateway.model_store import default_model_path
 
 SEQUENCES, CELLS_EACH, DECODES, PROMPT = 8, 300, 7, 272
 CHUNKS = (16, 64, 128, 256)
+TURN, PACKED = 81, (1, 2, 4, 6)
 
 
 def pool_context(model: Model, n_ctx: int = 16384) -> Context:
@@ -56,7 +60,7 @@ class Pool:
     def step(self, chunk: int, calls: int) -> float:
         """Seconds for DECODES decodes and a chunk, in `calls` calls; then undoes them."""
         rows = [([self.tokens(1)[0]], seq) for seq in range(DECODES)]
-        prompt = [(self.tokens(chunk), SEQUENCES - 1)]
+        prompt = [(self.tokens(chunk), SEQUENCES - 1)] if chunk else []
         started = time.perf_counter()
         for part in ([rows + prompt] if calls == 1 else [rows, prompt]):
             self.batch.clear()
@@ -67,6 +71,27 @@ class Pool:
         for seq in range(SEQUENCES):
             self.ctx.cut(seq, CELLS_EACH)
         return seconds
+
+    def turns(self, n: int) -> float:
+        """Seconds for n sequences' next TURN tokens in one call; then undoes them."""
+        self.batch.clear()
+        for seq in range(n):
+            self.batch.add(self.tokens(TURN), CELLS_EACH, seq, 1)
+        started = time.perf_counter()
+        self.ctx.decode(self.batch)
+        seconds = time.perf_counter() - started
+        for seq in range(n):
+            self.ctx.cut(seq, CELLS_EACH)
+        return seconds
+
+    def decodes_after(self, prompt_first: bool) -> float:
+        """Seconds for DECODES decodes right after a call of a TURN-token chunk or of the same
+        decodes; then undoes them."""
+        if prompt_first:
+            self.turns(1)
+        else:
+            self.step(0, 1)
+        return self.step(0, 1)
 
     def prompt_in_pool(self) -> float:
         self.batch.clear()
@@ -105,6 +130,17 @@ def main() -> None:
         one, two = (median_ms(args.repeats, lambda n=chunk, c=calls: pool.step(n, c))
                     for calls in (1, 2))
         print(f"| {chunk} tokens | {one:.0f} ms | {two:.0f} ms |")
+    print(f"\n| {TURN}-token turns in one call | ms a row |")
+    print("|---|---|")
+    for n in PACKED:
+        per_row = median_ms(args.repeats, lambda n=n: pool.turns(n)) / (n * TURN)
+        print(f"| {n} | {per_row:.2f} |")
+    print(f"\n| {DECODES} decodes right after a call of | ms |")
+    print("|---|---|")
+    for prompt_first in (False, True):
+        what = f"a {TURN}-token chunk" if prompt_first else f"the same {DECODES} decodes"
+        ms = median_ms(args.repeats, lambda p=prompt_first: pool.decodes_after(p))
+        print(f"| {what} | {ms:.0f} |")
     own = Context(model, ContextShape(n_ctx=1024, n_seq_max=1, n_batch=512, n_threads=2,
                                       kv_type="f16", flash_attn=True))
     apart = [pool.prompt_apart(own) for _ in range(args.repeats)]

@@ -67,12 +67,12 @@ def closed_loop(target: float, clients: int = 8, requests: int = 24, prompt: int
             started += 1
         decoding = [r for r in running if r["left"] == 0]
         budget = scheduler.prompt_budget(len(decoding), 512)
-        chunks, packed = [], 0
+        chunks = []
         for r in running:
-            if r["left"] and budget > 0 and packed < 64:
+            if r["left"] and budget > 0:
                 n = min(r["left"], budget)
                 chunks.append((r, n))
-                budget, packed = budget - n, packed + n
+                budget -= n
         n_prompt = sum(n for _, n in chunks)
         seconds = TRUE_COST.seconds(len(decoding), n_prompt)
         scheduler.fit.observe(len(decoding), n_prompt, seconds)
@@ -224,6 +224,47 @@ def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothin
         assert streamed.error is None and streamed.generated == alone
         assert prompted.error is None and len(prompted.generated) == 4
         assert local.settled().cells_used == 0
+        local.assert_released()
+    finally:
+        local.stop()
+
+
+def test_prompts_waiting_together_share_a_call(local_model):
+    """Prompts waiting together fill a step's budget side by side, in arrival order, rather
+    than taking a step each. With nothing decoding a step takes the whole batch, so of three
+    prompts of about 100 tokens submitted at once at least two are computed in one call (the
+    engine may admit the first before the others arrive)."""
+    local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
+                                                        prefill_context=False,
+                                                        cache=CacheConfig(enabled=False)))
+    calls: list[collections.Counter] = []  # rows per sequence id, per llama_decode call
+    decode = local.engine.ctx.decode
+
+    def recording(batch):
+        calls.append(collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch))))
+        decode(batch)
+
+    local.engine.ctx.decode = recording
+    requests = [GenerationRequest(local_model.tokenize(text * 20, add_special=True,
+                                                       parse_special=False),
+                                  max_tokens=3, ignore_eos=True,
+                                  sampler=SamplerSettings(temperature=0.0))
+                for text in ("Tell me about rivers. ", "Describe the mountains. ",
+                             "Explain the oceans. ")]
+    assert all(len(r.prompt_tokens) >= FA_TILE_ROWS for r in requests)
+
+    async def finals():
+        async def final(request):
+            async for output in local.submit(request).outputs():
+                last = output
+            return last
+        return await asyncio.gather(*(final(r) for r in requests))
+
+    try:
+        for output in asyncio.run(finals()):
+            assert output.error is None and len(output.generated) == 3
+        prompt_calls = [[seq for seq, n in rows.items() if n > 1] for rows in calls]
+        assert max(len(seqs) for seqs in prompt_calls) >= 2, calls
         local.assert_released()
     finally:
         local.stop()
