@@ -61,26 +61,23 @@ class Pool:
         """Seconds for DECODES decodes and a chunk, in `calls` calls; then undoes them."""
         rows = [([self.tokens(1)[0]], seq) for seq in range(DECODES)]
         prompt = [(self.tokens(chunk), SEQUENCES - 1)] if chunk else []
+        return self.timed([rows + prompt] if calls == 1 else [rows, prompt])
+
+    def turns(self, n: int) -> float:
+        """Seconds for n sequences' next TURN tokens in one call; then undoes them."""
+        return self.timed([[(self.tokens(TURN), seq) for seq in range(n)]])
+
+    def timed(self, calls: list[list[tuple[list[int], int]]]) -> float:
+        """Seconds for the calls, each of (tokens, sequence) rows after the sequence's cells;
+        then undoes them."""
         started = time.perf_counter()
-        for part in ([rows + prompt] if calls == 1 else [rows, prompt]):
+        for part in calls:
             self.batch.clear()
             for tokens, seq in part:
                 self.batch.add(tokens, CELLS_EACH, seq, 1)
             self.ctx.decode(self.batch)
         seconds = time.perf_counter() - started
         for seq in range(SEQUENCES):
-            self.ctx.cut(seq, CELLS_EACH)
-        return seconds
-
-    def turns(self, n: int) -> float:
-        """Seconds for n sequences' next TURN tokens in one call; then undoes them."""
-        self.batch.clear()
-        for seq in range(n):
-            self.batch.add(self.tokens(TURN), CELLS_EACH, seq, 1)
-        started = time.perf_counter()
-        self.ctx.decode(self.batch)
-        seconds = time.perf_counter() - started
-        for seq in range(n):
             self.ctx.cut(seq, CELLS_EACH)
         return seconds
 
