@@ -471,9 +471,9 @@ class Engine:
         """The step's rows: one token for every generating sequence (and its draft), then
         prompt chunks in arrival order while the token budget (engine/scheduler.py) and the
         free cells last. Several prompts share a step rather than each taking one of its own:
-        the first still gets its first token soonest, a prompt row costs less in a bigger call,
-        and every step that computes prompt rows slows its decodes' call too (loadtest.step_cost
-        measures both)."""
+        the first still gets its first token soonest, a prompt row costs no more in a bigger call
+        (a few percent less where the pool is fuller), and every step that computes prompt rows
+        slows its decodes' call (loadtest.step_cost measures both)."""
         decoding = [seq for seq in self._running if seq.pending == 1 and not seq.apart]
         while self.unified and len(decoding) > self.cells.free and len(self._running) > 1:
             victim = self._preempt_newest()

@@ -4,6 +4,7 @@ process is wired to the gateway's: for tests that reach into the engine."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from dataclasses import dataclass
 
@@ -67,3 +68,16 @@ class LocalEngine:
         self.engine.stop()
         if self.arena is not None:
             self.arena.close()
+
+
+def recorded(ctx) -> list[collections.Counter]:
+    """Replaces ctx.decode with one that records the rows per sequence id of every call."""
+    calls: list[collections.Counter] = []
+    decode = ctx.decode
+
+    def recording(batch):
+        calls.append(collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch))))
+        decode(batch)
+
+    ctx.decode = recording
+    return calls

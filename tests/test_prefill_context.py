@@ -6,13 +6,12 @@ for its cells to reach the pool, and that nothing stays held."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import threading
 
 from engine.config import CacheConfig, EngineConfig
 from engine.messages import GenerationRequest, SamplerSettings
-from tests.local_engine import LocalEngine
+from tests.local_engine import LocalEngine, recorded
 
 # No cache: the same prompt is computed each time; no drafts: a pool call's rows are decodes.
 CONFIG = EngineConfig(parallel=4, ctx_size=2048, target_tpot_ms=500, speculation=False,
@@ -35,19 +34,6 @@ async def generated(local: LocalEngine, request: GenerationRequest,
         if started and len(outputs) == 3:
             started.set()
     return outputs[-1].generated
-
-
-def recorded(ctx) -> list[collections.Counter]:
-    """Replaces ctx.decode with one that records the rows per sequence id of every call."""
-    calls: list[collections.Counter] = []
-    decode = ctx.decode
-
-    def recording(batch):
-        calls.append(collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch))))
-        decode(batch)
-
-    ctx.decode = recording
-    return calls
 
 
 class Pause:

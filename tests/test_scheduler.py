@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llama import KVCacheFull
 from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import MIN_PROMPT_TOKENS, PRIOR, Scheduler, StepCost, StepCostFit
-from tests.local_engine import LocalEngine
+from tests.local_engine import LocalEngine, recorded
 
 TRUE_COST = StepCost(fixed=0.010, per_decode=0.003, per_prompt=0.002)
 
@@ -113,20 +113,6 @@ def test_a_tighter_target_trades_first_tokens_for_smoother_streams():
     assert tight[0] > loose[0]  # TTFT
 
 
-def recorded_calls(local: LocalEngine) -> list[collections.Counter]:
-    """From now on, the rows of each llama_decode call on the engine's context, per sequence
-    id."""
-    calls: list[collections.Counter] = []
-    decode = local.engine.ctx.decode
-
-    def recording(batch):
-        calls.append(collections.Counter(batch.raw.seq_id[i][0] for i in range(len(batch))))
-        decode(batch)
-
-    local.engine.ctx.decode = recording
-    return calls
-
-
 def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(local_model):
     """A stream's decode row and a prompt chunk of 64 rows or more would share llama.cpp's
     flash-attention tiles, which then skip no other sequence's cells: the engine computes them
@@ -138,7 +124,7 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
                                                         target_tpot_ms=2000,
                                                         prefill_context=False,
                                                         cache=CacheConfig(enabled=False)))
-    calls = recorded_calls(local)
+    calls = recorded(local.engine.ctx)
     stream = GenerationRequest(local_model.tokenize("Count from one to fifty:", add_special=True,
                                                     parse_special=False),
                                max_tokens=40, ignore_eos=True,
@@ -244,7 +230,7 @@ def test_prompts_waiting_together_share_a_call(local_model):
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
                                                         prefill_context=False,
                                                         cache=CacheConfig(enabled=False)))
-    calls = recorded_calls(local)
+    calls = recorded(local.engine.ctx)
     requests = [GenerationRequest(local_model.tokenize(text * 20, add_special=True,
                                                        parse_special=False),
                                   max_tokens=3, ignore_eos=True,
