@@ -37,6 +37,14 @@ def test_step_cost_prints_both_tables():
     assert "| in a context of its own, KV moved in after |" in out
 
 
+def test_weight_kernels_prints_a_row_per_type():
+    out = subprocess.run([sys.executable, "-m", "loadtest.weight_kernels", "--types", "q4_0",
+                          "--repeats", "1", "--prompt-tokens", "64"],
+                         cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    rows = re.findall(r"^\| ([\w ]+) \| \d+ \| [\d.]+x \| [\d.]+ \|$", out, re.MULTILINE)
+    assert rows == ["as shipped", "q4_0"]
+
+
 def test_locust_users_report_ttft_and_tokens_per_second(gateway, tmp_path):
     subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py",
                     "--headless", "-u", "3", "-r", "3", "-t", "20s", "--host", gateway.base_url,
