@@ -28,7 +28,7 @@ from gateway.errors import APIError, invalid
 from gateway.generation import admit, json_response
 from gateway.openai_api import chat_prompt, completion_prompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Message, parse_request
-from gateway.responses_api import response_prompt
+from gateway.responses_api import owner, response_prompt
 from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.service import Gateway
 
@@ -64,7 +64,7 @@ async def explain(request: web.Request) -> web.Response:
         raise APIError(404, "The prefix cache is off", code="cache_disabled")
     namespace = _namespace(request, gateway)
     admit(request)
-    rendered = await _render(request, gateway, namespace)
+    rendered = await _render(request, gateway)
     tokens = np.asarray(rendered.tokens, dtype=np.int32)
     found = await asyncio.to_thread(_find, gateway, tokens, namespace)
     best = max(found.live, found.pool, found.redis or 0)
@@ -121,7 +121,7 @@ def _named(gateway: Gateway, hashed: str | None) -> str:
     return named
 
 
-async def _render(request: web.Request, gateway: Gateway, namespace: str) -> Rendered:
+async def _render(request: web.Request, gateway: Gateway) -> Rendered:
     """The prompt as the endpoint the body is for renders it."""
     raw = await request.read()
     try:
@@ -133,7 +133,7 @@ async def _render(request: web.Request, gateway: Gateway, namespace: str) -> Ren
         return Rendered((await chat_prompt(gateway, chat)).tokens, chat.messages)
     if isinstance(fields, dict) and "input" in fields:
         body = parse_request(ResponsesRequest, raw)
-        prompt = await response_prompt(gateway, body, namespace)
+        prompt = await response_prompt(gateway, body, owner(request))
         return Rendered(prompt.tokens, with_instructions(prompt.turns, body.instructions))
     if isinstance(fields, dict) and "prompt" in fields:
         completion = parse_request(CompletionRequest, raw)

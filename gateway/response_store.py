@@ -1,7 +1,9 @@
 """Stored responses (`store`, true by default on /v1/responses): what GET, DELETE and
 `input_items` read, and what `previous_response_id` continues from.
 
-A response is kept with its tenant's namespace (another key never sees it), the conversation as
+A response belongs to its tenant, the owner of the key that made it (another key, even one whose
+prefixes share a cache namespace with it, never sees it; without keys there is one anonymous
+owner), and is kept with the conversation as
 chat messages up to and including its own answer, and the exact tokens its sequence held: its
 prompt's and the ones it generated, with the text they render as. A turn that continues it with
 the same instructions and tools starts from those very tokens, so its whole history loads from
@@ -34,13 +36,13 @@ from gateway.protocol import Message
 log = logging.getLogger(__name__)
 
 FILE_NAME = "responses.json"
-VERSION = 1
+VERSION = 2  # 1 kept the cache namespace, which tenants of a shared group have alike
 
 
 @dataclass
 class StoredResponse:
     id: str
-    namespace: str
+    owner: str  # the tenant whose key made it ("" without keys): the only one who sees it
     body: dict  # the response object, as it was returned
     input_items: list[dict]  # this turn's input, each with its id
     messages: list[Message]  # the conversation, with this response's answer last
@@ -51,7 +53,7 @@ class StoredResponse:
     created: float = field(default_factory=time.time)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "namespace": self.namespace, "body": self.body,
+        return {"id": self.id, "owner": self.owner, "body": self.body,
                 "input_items": self.input_items,
                 "messages": [m.model_dump(exclude_none=True) for m in self.messages],
                 "instructions": self.instructions, "tools_text": self.tools_text,
@@ -86,21 +88,21 @@ class ResponseStore:
             self._bytes += self._sizes[entry.id]
             self._trim()
 
-    def get(self, response_id: str, namespace: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response, if it is this tenant's and still kept."""
         with self._lock:
             self._trim()
             entry = self._entries.get(response_id)
-            if entry is None or entry.namespace != namespace:
+            if entry is None or entry.owner != owner:
                 return None
             # The trim looks at the oldest stored; one stored late with an old age (read back
             # from disk, say) is checked here.
             return entry if entry.created >= time.time() - self.max_age else None
 
-    def delete(self, response_id: str, namespace: str) -> bool:
+    def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:
             entry = self._entries.get(response_id)
-            if entry is None or entry.namespace != namespace:
+            if entry is None or entry.owner != owner:
                 return False
             self._forget(entry)
             return True

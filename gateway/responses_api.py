@@ -45,13 +45,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gateway.require_model(body.model)
     admit(request)
     _leave_out_hosted_tools(gateway, body)
-    prompt = await response_prompt(gateway, body, request["namespace"])
+    prompt = await response_prompt(gateway, body, owner(request))
     logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
     def store(done: dict, choice: Choice) -> None:
         if body.store:
             entry = StoredResponse(
-                done["id"], request["namespace"], done, body.input_items(),
+                done["id"], owner(request), done, body.input_items(),
                 [*prompt.turns, _answer(choice)], body.instructions, prompt.tools_text,
                 prompt.text + choice.text, prompt.tokens + list(choice.generated))
             gateway.responses.put(entry)
@@ -89,12 +89,12 @@ class RenderedPrompt:
 
 
 async def response_prompt(gateway: Gateway, body: ResponsesRequest,
-                          namespace: str) -> RenderedPrompt:
-    """The prompt of a Responses request, continuing the namespace's stored response it
-    names (POST /v1/responses and /v1/cache/explain)."""
+                          owner: str) -> RenderedPrompt:
+    """The prompt of a Responses request, continuing the owner's stored response it names
+    (POST /v1/responses and /v1/cache/explain)."""
     previous = None
     if body.previous_response_id is not None:
-        previous = await _lookup(gateway, body.previous_response_id, namespace)
+        previous = await _lookup(gateway, body.previous_response_id, owner)
         if previous is None:
             raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
                           "previous_response_id", "previous_response_not_found")
@@ -140,7 +140,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     response_id = (await _stored(request)).id
-    gateway.responses.delete(response_id, request["namespace"])
+    gateway.responses.delete(response_id, owner(request))
     if gateway.shared_responses is not None:
         try:
             await asyncio.to_thread(gateway.shared_responses.delete, response_id)
@@ -182,13 +182,19 @@ async def _stored(request: web.Request) -> StoredResponse:
     """The tenant's stored response, else a 404 (another tenant's is as good as absent)."""
     gateway: Gateway = request.app["gateway"]
     response_id = request.match_info["response_id"]
-    stored = await _lookup(gateway, response_id, request["namespace"])
+    stored = await _lookup(gateway, response_id, owner(request))
     if stored is None:
         raise _not_found(response_id)
     return stored
 
 
-async def _lookup(gateway: Gateway, response_id: str, namespace: str
+def owner(request: web.Request) -> str:
+    """Whose stored responses a request sees: its key's tenant, never its cache namespace
+    (the tenants of --shared-prefix-tenants share one). Without keys, one anonymous owner."""
+    return request.get("tenant") or ""
+
+
+async def _lookup(gateway: Gateway, response_id: str, owner: str
                   ) -> StoredResponse | None:
     """The tenant's stored response: Redis's word first when there is a Redis (a tombstone
     means deleted through some replica), else this replica's own copy."""
@@ -200,11 +206,11 @@ async def _lookup(gateway: Gateway, response_id: str, namespace: str
             log.warning("the response store in Redis is not answering: %s", exc)
             found = None
         if found is DELETED:
-            gateway.responses.delete(response_id, namespace)
+            gateway.responses.delete(response_id, owner)
             return None
         if isinstance(found, StoredResponse):
-            return found if found.namespace == namespace else None
-    return gateway.responses.get(response_id, namespace)
+            return found if found.owner == owner else None
+    return gateway.responses.get(response_id, owner)
 
 
 def _not_found(response_id: str) -> APIError:

@@ -5,10 +5,11 @@ A GET or continuation asks Redis first: a response deleted through one replica l
 tombstone there, so it is gone on all of them; one Redis does not know (its write still under
 way, or Redis down or slow past `--redis-timeout`) is served from the replica's own copy.
 
-Keys `prefixgate:v1:responses:<model fingerprint>:<id>`; a value is the stored response as
-JSON, its tenant's namespace in it, and with `--redis-key` an HMAC-SHA256 over key and value
-after it: a value that does not verify, or belongs to another tenant, is a miss. Writes run on
-a thread of their own, never on a request's path. Values expire with `--response-store-hours`.
+Keys `prefixgate:v2:responses:<model fingerprint>:<id>`; a value is the stored response as
+JSON, its owner (the tenant whose key made it) in it, and with `--redis-key` an HMAC-SHA256
+over key and value after it: a value that does not verify, or belongs to another tenant, is a
+miss. Writes run on a thread of their own, never on a request's path. Values expire with
+`--response-store-hours`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class SharedResponses:
     def __init__(self, config: TierConfig, fingerprint: str, ttl_seconds: float) -> None:
         self._key = config.key
         self._ttl = max(1, int(ttl_seconds))
-        self._prefix = f"prefixgate:v1:responses:{fingerprint}:".encode()
+        self._prefix = f"prefixgate:v2:responses:{fingerprint}:".encode()
         self._redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout,
                                            socket_connect_timeout=config.timeout)
         self._writes = redis.Redis.from_url(config.url, socket_timeout=10,

@@ -209,23 +209,43 @@ def test_stored_responses_are_retrieved_listed_and_deleted(client, server):
 
 
 def test_a_stored_response_belongs_to_its_tenant(model_path, tmp_path):
+    """Another key gets a 404 for it on GET, DELETE and input_items, and cannot continue it
+    (the error an unknown id gets), even a key whose tenant shares the cache namespace
+    (--shared-prefix-tenants): a response is bound to its tenant, not to the namespace."""
     keys = tmp_path / "keys"
-    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\nkey-c tenant-c\nkey-d tenant-d\n")
     server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048",
-                            "--api-keys-file", str(keys))
+                            "--api-keys-file", str(keys),
+                            "--shared-prefix-tenants", "tenant-c,tenant-d")
     try:
-        a, b = (openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
-                for key in ("key-a", "key-b"))
-        created = a.responses.create(model=server.model_name, input="Hi", max_output_tokens=4)
-        assert a.responses.retrieve(created.id).id == created.id
-        with pytest.raises(openai.NotFoundError):
-            b.responses.retrieve(created.id)
-        with pytest.raises(openai.NotFoundError):
-            b.responses.delete(created.id)
-        with pytest.raises(openai.BadRequestError):
-            b.responses.create(model=server.model_name, input="Go on", max_output_tokens=4,
-                               previous_response_id=created.id)
-        assert a.responses.retrieve(created.id).id == created.id
+        clients = {key: openai.OpenAI(base_url=server.base_url + "/v1", api_key=f"key-{key}",
+                                      max_retries=0) for key in "abcd"}
+        created = {key: clients[key].responses.create(model=server.model_name, input="Hi",
+                                                      max_output_tokens=4)
+                   for key in "abcd"}
+        with pytest.raises(openai.BadRequestError) as unknown:
+            clients["a"].responses.create(model=server.model_name, input="Go on",
+                                          max_output_tokens=4,
+                                          previous_response_id="resp_" + "0" * 32)
+        for owner, other in ("ab", "ba", "cd", "dc"):
+            response_id, client = created[owner].id, clients[other]
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(response_id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.input_items.list(response_id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.delete(response_id)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model=server.model_name, input="Go on",
+                                        max_output_tokens=4, previous_response_id=response_id)
+            assert refused.value.body["code"] == unknown.value.body["code"] \
+                == "previous_response_not_found"
+        for key, client in clients.items():  # each still has its own, whole
+            assert client.responses.retrieve(created[key].id).id == created[key].id
+            assert client.responses.input_items.list(created[key].id).data
+            assert client.responses.create(model=server.model_name, input="Go on",
+                                           max_output_tokens=4,
+                                           previous_response_id=created[key].id).output
     finally:
         server.stop()
 
