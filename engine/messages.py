@@ -39,7 +39,7 @@ class SamplerSettings:
     grammar: str | None = None  # GBNF the output must follow (structured outputs, calls)
     # Lazy: the grammar applies once the output matches one of these (from its first group).
     grammar_triggers: tuple[str, ...] = ()
-    # A test-only hook (gateway/replay.py): these tokens are the output, then its end,
+    # A test-only hook (tests/replay_gateway.py): these tokens are the output, then its end,
     # whatever the model's logits say; the model still computes every one of them.
     script: tuple[int, ...] = ()
 

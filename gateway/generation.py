@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ import orjson
 from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
-from gateway import replay
 from gateway.cache_sources import HEADER, header_value, held_for
 from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError, invalid
@@ -37,6 +35,12 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 1  # a 429's advice: the OpenAI SDK waits that long, then retries
 FINAL_WRITE_SECONDS = 5  # how long a timed-out stream waits for its client to take the error
 HISTORY_TOKENS = 1024  # most of an earlier answer to the same prompt a request drafts from
+
+# A test-only hook, set by the tests' own entry point (tests/replay_gateway.py) and by nothing a
+# production server runs (no flag, no environment variable): given a prompt's text, a completion
+# to replay through the engine instead of sampling one, or None. Called on a thread (it reads a
+# file).
+replay: Callable[[str], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,9 @@ async def generate(request: web.Request, prompt_tokens: list[int],
     admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
     # Building a grammar from a schema takes time: off the event loop the streams share.
     planned = await asyncio.to_thread(plan)
-    generation = _in_format(gateway, planned.generation, wire, prompt_tokens)
+    generation = _in_format(gateway, planned.generation, wire)
+    if replay is not None:
+        generation = await asyncio.to_thread(_replayed, gateway, generation, prompt_tokens)
     if planned.n > limits.max_n:
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
@@ -183,12 +189,12 @@ async def generate(request: web.Request, prompt_tokens: list[int],
     adopted = 0
     if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
         adopted = await asyncio.to_thread(pool.fetch_from_tier, generation)
-    pins = planned.pins if pool is not None else ()
-    for pin in pins:  # what is cached already, now; the rest once it is stored
-        pool.pin(generation, pin.n_tokens, pin.seconds)
     if pool is not None and gateway.config.workers.engine.speculation:
         generation = dataclasses.replace(generation, history=pool.history(
             generation, min(generation.max_tokens, HISTORY_TOKENS)))
+    pins = planned.pins if pool is not None else ()
+    for pin in pins:  # what is cached already, now; the rest once it is stored
+        pool.pin(generation, pin.n_tokens, pin.seconds)
     held = held_for(gateway, generation, adopted)  # before it is in flight itself
     handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
     timer = gateway.metrics.request_timer(len(prompt_tokens))
@@ -215,19 +221,24 @@ async def generate(request: web.Request, prompt_tokens: list[int],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
 
 
-def _in_format(gateway: Gateway, generation: GenerationRequest, wire: Wire,
-               prompt_tokens: list[int]) -> GenerationRequest:
+def _in_format(gateway: Gateway, generation: GenerationRequest, wire: Wire
+               ) -> GenerationRequest:
     """What the model's chat format adds to a generation: its markers kept in the output
-    text for the parser; and in tests, a replayed completion (gateway/replay.py)."""
+    text for the parser."""
     if wire.parser is not None:
         generation = dataclasses.replace(generation, shown_tokens=gateway.prompts.shown_tokens)
-    if os.environ.get(replay.VARIABLE):
-        output = replay.scripted_output(gateway.model.detokenize(prompt_tokens))
-        if output is not None:
-            script = tuple(gateway.prompts.tokenize_rendered(output))
-            generation = dataclasses.replace(generation, sampler=dataclasses.replace(
-                generation.sampler, script=script))
     return generation
+
+
+def _replayed(gateway: Gateway, generation: GenerationRequest, prompt_tokens: list[int]
+              ) -> GenerationRequest:
+    """In tests, a scripted completion for the prompt (the `replay` hook), if it has one."""
+    output = replay(gateway.model.detokenize(prompt_tokens))
+    if output is None:
+        return generation
+    script = tuple(gateway.prompts.tokenize_rendered(output))
+    return dataclasses.replace(generation, sampler=dataclasses.replace(
+        generation.sampler, script=script))
 
 
 def admit(request: web.Request) -> None:

@@ -68,9 +68,10 @@ class GatewayProcess(ServerProcess):
     """The real gateway, as a user would start it."""
 
     def __init__(self, model_path: Path, *args: str, source: Path = ROOT,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, module: str = "gateway") -> None:
         """`source`: the checkout whose gateway runs (another one for before/after figures);
-        `env`: variables to add to this process's environment."""
+        `env`: variables to add to this process's environment; `module`: the entry point
+        (the tests' own, tests.replay_gateway, for the replay hook)."""
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None
@@ -78,7 +79,7 @@ class GatewayProcess(ServerProcess):
         if "--debug-key" not in args:
             args = (*args, "--debug-key", secrets.token_hex(16))
         self.debug_key = args[args.index("--debug-key") + 1]
-        super().__init__([sys.executable, "-m", "gateway", "--model", str(model_path),
+        super().__init__([sys.executable, "-m", module, "--model", str(model_path),
                           "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
                          cwd=source, env=env)

@@ -1,8 +1,8 @@
 """Claude Code and Codex run the tool the model calls. The model's turn is a call in Qwen 2.5's
 own format (its real template from llama.cpp's tree, replayed through the test model's engine:
-gateway/replay.py); the client runs the command itself, sends its output back, and the next turn
-answers after reading it. The command computes what it prints ($((6*7))), so only the tool's
-real output, never the call's text, holds the mark the second turn is replayed on."""
+tests/replay_gateway.py); the client runs the command itself, sends its output back, and the
+next turn answers after reading it. The command computes what it prints ($((6*7))), so only the
+tool's real output, never the call's text, holds the mark the second turn is replayed on."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def replayed(model_path, tmp_path_factory):
     server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "16384",
                             "--temperature", "0", "--model-alias", "*", "--chat-template-file",
                             str(template_path("Qwen-Qwen2.5-7B-Instruct.jinja")),
-                            env={"PREFIXGATE_REPLAY": str(rules)})
+                            "--replay-rules", str(rules), module="tests.replay_gateway")
     yield server, rules
     server.stop()
 

@@ -1,6 +1,6 @@
 """Each model family's own call and reasoning format through the real server: its real chat
 template (llama.cpp's models/templates, --chat-template-file) renders the tools and the history,
-the test model's engine replays the family's scripted output (gateway/replay.py), and the
+the test model's engine replays the family's scripted output (tests/replay_gateway.py), and the
 answer comes back parsed on all three APIs, whole and streamed, through the openai and anthropic
 SDKs. For the families whose outputs think, every request asks for reasoning (reasoning_effort,
 thinking, reasoning.effort): the R1 template opens its <think> only when asked, and DeepSeek
@@ -62,9 +62,28 @@ def served(request, model_path, tmp_path_factory):
     server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "4096",
                             "--model-alias", "*",
                             "--chat-template-file", str(template_path(OUTPUTS[family][0])),
-                            env={"PREFIXGATE_REPLAY": str(rules)})
+                            "--replay-rules", str(rules), module="tests.replay_gateway")
     yield family, server, rules
     server.stop()
+
+
+def test_the_production_entry_point_cannot_be_told_to_replay(model_path, tmp_path):
+    """Replaying is the tests' own entry point's (tests/replay_gateway.py): `python -m gateway`
+    with the variable that once turned it on (and the flag's would-be twin) set answers with the
+    model."""
+    rules = tmp_path / "replay.json"
+    rules.write_text(json.dumps([{"when": "harbour", "output": "REPLAYED, NOT SAMPLED"}]))
+    server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "1024",
+                            env={"PREFIXGATE_REPLAY": str(rules),
+                                 "PREFIXGATE_REPLAY_RULES": str(rules)})
+    try:
+        r = _openai(server).chat.completions.create(
+            model=server.model_name, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "Tell me about the harbour."}])
+    finally:
+        server.stop()
+    assert "REPLAYED" not in (r.choices[0].message.content or "")
+    assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
 
 
 def _question(case: str) -> str:
