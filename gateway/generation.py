@@ -2,7 +2,7 @@
 prompt tokens; from there the path is the same for all of them:
 
     rate limit (the prompt's tokens) -> the API's Plan (sampling, grammar: built on a thread)
-    -> the Redis tier on a local miss -> pins -> a worker -> outputs -> the API's Wire
+    -> the Redis tier on a local miss -> a worker (or a 429) -> pins -> outputs -> the Wire
 
 A Wire is all that differs: how one API words the outputs, whole or as a stream of events. One
 streaming loop (`_stream`) serves every API, with its deadline, its mid-stream errors and the
@@ -192,11 +192,13 @@ async def generate(request: web.Request, prompt_tokens: list[int],
     if pool is not None and gateway.config.workers.engine.speculation:
         generation = dataclasses.replace(generation, history=pool.history(
             generation, min(generation.max_tokens, HISTORY_TOKENS)))
-    pins = planned.pins if pool is not None else ()
-    for pin in pins:  # what is cached already, now; the rest once it is stored
-        pool.pin(generation, pin.n_tokens, pin.seconds)
     held = held_for(gateway, generation, adopted)  # before it is in flight itself
     handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
+    # Pins once admitted (a request refused with a 429 pins nothing): what is cached already,
+    # now; the rest once it is stored.
+    pins = planned.pins if pool is not None else ()
+    for pin in pins:
+        pool.pin(generation, pin.n_tokens, pin.seconds)
     timer = gateway.metrics.request_timer(len(prompt_tokens))
     choices = [Choice() for _ in handles]
 

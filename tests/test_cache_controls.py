@@ -83,6 +83,29 @@ def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, model
     tiny_pool.settled()
 
 
+def test_a_request_refused_at_capacity_pins_nothing(model_path, model_name):
+    """Room for one request: while a stream runs, a request asking to pin a cached prompt is
+    refused with a 429, and its prompt stays unpinned (pins come after admission)."""
+    server = GatewayProcess(model_path, "--parallel", "1", "--max-queue", "0", "--ctx-size",
+                            "2048")
+    try:
+        client = openai_client(server)
+        prompt = story("The breakwater")
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=2)  # cached
+        running = client.completions.create(model=model_name, prompt="Once upon a time",
+                                            max_tokens=400, stream=True,
+                                            extra_body={"ignore_eos": True})
+        next(iter(running))  # it holds the only room
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                      extra_body={"prompt_cache_retention": "24h"})
+        assert server.metrics()["prefixgate_prefix_cache_pinned_blocks"] == 0
+        running.close()
+        server.settled()
+    finally:
+        server.stop()
+
+
 def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, gateway, model_name):
     assert admin(gateway, "GET", "/v1/cache/stats")[0] == 404  # no --admin-key: no admin API
     assert admin(tiny_pool, "GET", "/v1/cache/stats", key=None)[0] == 401
