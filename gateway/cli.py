@@ -39,7 +39,8 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
                         "any text, e.g. 'claude-*' for Claude Code's own names)")
     p.add_argument("--response-store-mb", type=int, default=256,
                    help="memory for stored /v1/responses (store: true), for GET and "
-                        "previous_response_id; past it the oldest are dropped")
+                        "previous_response_id; past it the oldest are dropped (a tenant's own "
+                        "first past --tenant-cache-share of it)")
     p.add_argument("--response-store-hours", type=float, default=24.0,
                    help="how long a stored response is kept at most")
     p.add_argument("--claude-billing-header", choices=("drop", "keep"), default="drop",
@@ -155,7 +156,8 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--tenant-cache-share", type=_share, default=0.5,
                    help="share of the pool past which a tenant's own least recently used "
                         "prefixes are evicted first, so one tenant's flood cannot empty the "
-                        "pool of every other's (1: plain LRU across tenants)")
+                        "pool of every other's (1: plain LRU across tenants); the same share "
+                        "of --response-store-mb bounds a tenant's stored responses")
     p.add_argument("--pin-hours", type=float, default=24.0,
                    help='how long prompt_cache_retention "24h" pins a prompt, and the longest '
                         "any pin lasts: cache_control TTLs (5m, 1h) are capped at it (tests "

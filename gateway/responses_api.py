@@ -50,10 +50,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     def store(done: dict, choice: Choice) -> None:
         if body.store:
-            entry = StoredResponse(
+            entry = StoredResponse.make(
                 done["id"], owner(request), done, body.input_items(),
                 [*prompt.turns, _answer(choice)], body.instructions, prompt.tools_text,
-                prompt.text + choice.text, prompt.tokens + list(choice.generated))
+                prompt.text + choice.text, prompt.tokens + list(choice.generated),
+                prompt.parent)
             gateway.responses.put(entry)
             if gateway.shared_responses is not None:
                 gateway.shared_responses.put(entry)
@@ -86,6 +87,7 @@ class RenderedPrompt:
     text: str
     tokens: list[int]
     parser: OutputParser | None
+    parent: StoredResponse | None  # the stored response whose conversation this one extends
 
 
 async def response_prompt(gateway: Gateway, body: ResponsesRequest,
@@ -106,21 +108,29 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
     """The prompt. A continuation of a stored response with the same instructions and tools
     starts from that response's own tokens (its prompt's and its generated ones), followed by
     the new input as the template renders the next turn: its history is never tokenized again,
-    so all of it loads from the cache. Anything else is rendered afresh."""
-    turns = body.turns(previous.messages if previous else None)
+    so all of it loads from the cache, and it is stored as that response's child (what it
+    adds). Anything else is rendered afresh, and stored whole."""
+    history = previous.conversation() if previous else None
+    turns = body.turns(history)
     tools_text = toolbox.system_text() if toolbox is not None else ""
     try:
         text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
                                            body.reasoning_settings())
     except ValueError as exc:  # the chat template refused the messages (raise_exception)
         raise invalid(f"The chat template rejected the input: {exc}", "input") from None
+    previous_text = previous.all_text() if previous else ""
+    parent = None
     if previous is not None and previous.instructions == body.instructions \
-            and previous.tools_text == tools_text and text.startswith(previous.text):
-        tokens = previous.tokens + gateway.prompts.tokenize_rendered(text[len(previous.text):])
+            and previous.tools_text == tools_text and text.startswith(previous_text):
+        tokens = previous.all_tokens() \
+            + gateway.prompts.tokenize_rendered(text[len(previous_text):])
+        # Its history as it was (the input may add a call to the last assistant turn).
+        if all(kept is same for kept, same in zip(history, turns, strict=False)):
+            parent = previous
     else:
         tokens = gateway.prompts.tokenize_rendered(text)
     return RenderedPrompt(turns, tools_text, text, tokens,
-                          gateway.prompts.parser(toolbox, text))
+                          gateway.prompts.parser(toolbox, text), parent)
 
 
 def _answer(choice: Choice) -> Message:
@@ -133,7 +143,7 @@ def _answer(choice: Choice) -> Message:
 
 @routes.get("/v1/responses/{response_id}")
 async def retrieve_response(request: web.Request) -> web.Response:
-    return json_response((await _stored(request)).body)
+    return web.Response(body=(await _stored(request)).body, content_type="application/json")
 
 
 @routes.delete("/v1/responses/{response_id}")
@@ -154,7 +164,7 @@ async def delete_response(request: web.Request) -> web.Response:
 async def input_items(request: web.Request) -> web.Response:
     """A page of the response's input items, as OpenAI lists them: `limit` (1-100, 20),
     `order` (`desc` by default, or `asc`), `after` an item id."""
-    items = (await _stored(request)).input_items
+    items = (await _stored(request)).listed_items()
     query = request.query
     try:
         limit = int(query.get("limit", 20))
@@ -197,20 +207,22 @@ def owner(request: web.Request) -> str:
 async def _lookup(gateway: Gateway, response_id: str, owner: str
                   ) -> StoredResponse | None:
     """The tenant's stored response: Redis's word first when there is a Redis (a tombstone
-    means deleted through some replica), else this replica's own copy."""
+    means deleted through some replica), then this replica's own copy (a turn continuing it
+    is kept as its child), else Redis's."""
     shared = gateway.shared_responses
+    found = None
     if shared is not None:
         try:
             found = await asyncio.to_thread(shared.get, response_id)
         except redis.RedisError as exc:
             log.warning("the response store in Redis is not answering: %s", exc)
-            found = None
         if found is DELETED:
             gateway.responses.delete(response_id, owner)
             return None
-        if isinstance(found, StoredResponse):
-            return found if found.owner == owner else None
-    return gateway.responses.get(response_id, owner)
+    own = gateway.responses.get(response_id, owner)
+    if own is None and isinstance(found, StoredResponse) and found.owner == owner:
+        return found
+    return own
 
 
 def _not_found(response_id: str) -> APIError:

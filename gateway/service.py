@@ -85,7 +85,8 @@ class Gateway:
         self.workers = Workers(config.workers)
         self.load_error: str | None = None
         self.responses = ResponseStore(config.response_store_mb << 20,
-                                       config.response_store_hours * 3600)
+                                       config.response_store_hours * 3600,
+                                       config.workers.tenant_cache_share)
         self.shared_responses: SharedResponses | None = None  # with --redis-url
         self.metrics = Metrics(self.workers, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \

@@ -178,6 +178,36 @@ def test_previous_response_id_continues_from_the_exact_tokens(client, server):
     assert third.usage.input_tokens > second.usage.input_tokens
 
 
+def test_a_chained_turn_is_stored_as_what_it_adds(client, server):
+    """Each turn continued with previous_response_id adds about as many stored bytes as the
+    first (what it adds, not its whole history again); a turn whose parent was deleted still
+    continues from its whole history; deleting every turn frees them all."""
+    def stored_bytes() -> float:
+        return server.metrics()["prefixgate_response_store_bytes"]
+
+    baseline, added, turns = stored_bytes(), [], []
+    for i in range(4):
+        before = stored_bytes()
+        turns.append(client.responses.create(
+            model=server.model_name, max_output_tokens=4, input=f"Note {i}: " + " ".join(
+                f"the {w} crossed the bay on day {i}." for w in ("ferry", "barge", "tug")) * 8,
+            previous_response_id=turns[-1].id if turns else None))
+        added.append(stored_bytes() - before)
+    assert max(added[1:]) < 1.5 * added[0], added
+    client.responses.delete(turns[2].id)  # the fourth's parent
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(turns[2].id)
+    assert stored_bytes() == baseline + sum(added)  # still the fourth's history
+    fifth = client.responses.create(model=server.model_name, max_output_tokens=4,
+                                    previous_response_id=turns[3].id, input="Which was first?")
+    history = turns[3].usage.input_tokens + turns[3].usage.output_tokens
+    assert fifth.usage.input_tokens > history
+    assert fifth.usage.input_tokens_details.cached_tokens >= 0.9 * history
+    for turn in (*turns[:2], turns[3], fifth):
+        client.responses.delete(turn.id)
+    assert stored_bytes() == baseline
+
+
 def test_stored_responses_are_retrieved_listed_and_deleted(client, server):
     items = [{"role": "developer", "content": "Answer briefly."},
              {"role": "user", "content": "Name a colour."},
@@ -299,24 +329,3 @@ def test_logprobs_and_the_cache_key_as_codex_sends_it(client, server):
     assert "".join(entry.token for entry in logprobs) == response.output_text
     assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in logprobs)
     assert server.metrics()["prefixgate_prompt_cache_key_requests_total"] == before + 1
-
-
-def test_the_store_is_bounded_by_size_and_age():
-    from gateway.response_store import ResponseStore, StoredResponse
-
-    def entry(i: int, created: float) -> StoredResponse:
-        return StoredResponse(f"resp_{i}", "", {"id": f"resp_{i}"}, [], [], None, "",
-                              "x" * 1000, [1] * 100, created=created)
-
-    import time
-
-    now = time.time()
-    store = ResponseStore(max_bytes=5000, max_age_seconds=60)
-    for i in range(10):
-        store.put(entry(i, now))
-    entries, size = store.stats
-    assert size <= 5000 and 1 <= entries < 10
-    assert store.get("resp_9", "") is not None and store.get("resp_0", "") is None  # oldest go
-    assert store.get("resp_9", "tenant:other") is None
-    store.put(entry(99, now - 120))  # past its age: gone at the next look
-    assert store.get("resp_99", "") is None
