@@ -145,7 +145,8 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--redis-key", default=None,
                    help="a secret every Redis value is signed with (HMAC-SHA256); values that "
                         "do not verify are misses. Without it, whoever can write to the Redis "
-                        "can plant KV (better set PREFIXGATE_REDIS_KEY than the flag)")
+                        "can plant KV (better set PREFIXGATE_REDIS_KEY than the flag). Stored "
+                        "/v1/responses go to Redis only with it, encrypted (AES-256-GCM)")
     p.add_argument("--redis-timeout", type=float, default=TierConfig.timeout,
                    help="seconds a Redis lookup may add to a request")
     p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,

@@ -87,7 +87,7 @@ class Gateway:
         self.responses = ResponseStore(config.response_store_mb << 20,
                                        config.response_store_hours * 3600,
                                        config.workers.tenant_cache_share)
-        self.shared_responses: SharedResponses | None = None  # with --redis-url
+        self.shared_responses: SharedResponses | None = None  # with --redis-url and a key
         self.metrics = Metrics(self.workers, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
@@ -126,7 +126,11 @@ class Gateway:
         if workers.cache_dir is not None:
             n = self.responses.load(workers.cache_dir, fingerprint)
             log.info("%d stored responses read from %s", n, workers.cache_dir)
-        if workers.redis is not None:
+        if workers.redis is not None and not workers.redis.key:
+            log.warning("--redis-url without --redis-key: stored responses stay on this replica "
+                        "(whole conversations are never put in Redis unencrypted); with "
+                        "--redis-key they are shared, encrypted")
+        elif workers.redis is not None:
             self.shared_responses = SharedResponses(workers.redis, fingerprint,
                                                     self.config.response_store_hours * 3600)
 
@@ -176,6 +180,8 @@ class Gateway:
 
     def close(self) -> None:
         self.workers.stop()
+        if self.shared_responses is not None:
+            self.shared_responses.close()
         cache_dir = self.config.workers.cache_dir
         if cache_dir is not None and self.ready:
             try:
