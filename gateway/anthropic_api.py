@@ -22,7 +22,6 @@ from engine.messages import GenerationRequest
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic_wire import AnthropicWire
 from gateway.chat_formats import OutputParser, call_grammar_of
-from gateway.errors import invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.prompts import ChatPrompt
 from gateway.protocol import completion_room, parse_request, sampler_settings
@@ -93,7 +92,4 @@ def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
 
 def _chat(gateway: Gateway, body: CountTokensRequest) -> ChatPrompt:
     keep = gateway.config.keep_billing_header
-    try:
-        return gateway.prompts.chat(body.chat_messages(keep), body.toolbox(), body.reasoning())
-    except ValueError as exc:  # the chat template refused the messages (raise_exception)
-        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    return gateway.prompts.chat(body.chat_messages(keep), body.toolbox(), body.reasoning())

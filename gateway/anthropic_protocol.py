@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway import bounds
+from gateway.bounds import at_most
 from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.protocol import (
@@ -53,7 +55,7 @@ class TextBlock(_Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
-    citations: list[dict] | None = None
+    citations: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
 
 
 class ToolUseBlock(_Strict):
@@ -76,8 +78,9 @@ class UnservedBlock(BaseModel):
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | UnservedBlock, Field(discriminator="type")]] \
-        | None = None
+    content: str | Annotated[list[Annotated[TextBlock | UnservedBlock,
+                                            Field(discriminator="type")]],
+                             at_most(bounds.PARTS)] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
@@ -107,7 +110,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
 class AnthropicMessage(_Strict):
     # Claude Code puts a "system" turn (its environment) after the first user turn.
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], at_most(bounds.PARTS)]
     output_config: dict | None = None  # per-turn effort (Claude Code): no effect here
 
     def blocks(self) -> list:
@@ -147,15 +150,16 @@ class CountTokensRequest(_Strict):
     """What a prompt is made of: /v1/messages/count_tokens takes this alone."""
 
     model: str
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
-    tools: list[AnthropicTool] | None = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=bounds.MESSAGES)]
+    system: str | Annotated[list[TextBlock], at_most(bounds.PARTS)] | None = None
+    tools: Annotated[list[AnthropicTool], at_most(bounds.TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict | None = None  # enabled/disabled: the template's switch, where it has one
     context_management: dict | None = None
     output_config: dict | None = None
-    safeguards: list[dict] | None = None  # Claude Code's classifier context: no effect here
-    mcp_servers: list[dict] | None = None
+    # Claude Code's classifier context: no effect here
+    safeguards: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
+    mcp_servers: Annotated[list[dict], at_most(bounds.TOOLS)] | None = None
 
     def check_supported(self) -> None:
         if self.mcp_servers:
@@ -179,6 +183,11 @@ class CountTokensRequest(_Strict):
         if self.tool_choice is not None and self.tool_choice.type == "tool" \
                 and not self.tool_choice.name:
             raise invalid("tool_choice of type 'tool' needs a 'name'", "tool_choice.name")
+        # Each breakpoint renders and tokenizes the request again, and pins: Anthropic's bound.
+        marks = len(self.breakpoints())
+        if marks > bounds.CACHE_BREAKPOINTS:
+            raise invalid(f"A maximum of {bounds.CACHE_BREAKPOINTS} blocks with cache_control "
+                          f"may be provided. Found {marks}.", "cache_control")
 
     def system_blocks(self, keep_billing_header: bool) -> list[TextBlock]:
         if self.system is None:
@@ -277,10 +286,14 @@ class CountTokensRequest(_Strict):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str], at_most(bounds.STOP_SEQUENCES)] | None = None
     stream: bool = False
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None  # one tier here: accepted, no effect
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        bounds.check_stop_strings(self.stop_sequences or [], "stop_sequences")

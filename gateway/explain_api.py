@@ -10,6 +10,11 @@ the time to first token the prefill speed measured lately predicts.
 A tenant asks with its own key, about its own namespace; the admin key asks about any, named as
 the admin API lists namespaces (`?namespace=<hash>`). Without API keys every request shares one
 namespace, and anyone may ask.
+
+Only the admin key is shown cached text (`divergence.cached`: what the cache holds past the
+divergence). Others are told counts, and places and text in their own prompt: a namespace may be
+shared (--shared-prefix-tenants, or no keys at all), and cached text shown to whoever asks would
+let one member read another's conversations out of the cache a token at a time.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ async def explain(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     if gateway.workers.pool is None:
         raise APIError(404, "The prefix cache is off", code="cache_disabled")
-    namespace = _namespace(request, gateway)
+    namespace, admin = _namespace(request, gateway)
     admit(request)
     rendered = await _render(request, gateway)
     tokens = np.asarray(rendered.tokens, dtype=np.int32)
@@ -78,32 +83,32 @@ async def explain(request: web.Request) -> web.Response:
         "held": {"live": found.live, "pool": found.pool, "redis": found.redis,
                  "pinned": found.pinned},
         "cached_tokens": cached,
-        "divergence": _divergence(gateway, rendered, found, best) if best < len(tokens)
-        else None,
+        "divergence": _divergence(gateway, rendered, found, best, admin)
+        if best < len(tokens) else None,
         "ttft": {"tokens_to_compute": to_compute,
                  "prefill_tokens_per_second": None if speed is None else round(speed, 1),
                  "predicted_seconds": None if speed is None else round(to_compute / speed, 3)},
     })
 
 
-def _namespace(request: web.Request, gateway: Gateway) -> str:
+def _namespace(request: web.Request, gateway: Gateway) -> tuple[str, bool]:
     """The namespace asked about, from the key asking (the admin API's paths skip the key
-    middleware: the admin key is no tenant's)."""
+    middleware: the admin key is no tenant's), and whether the admin key asks."""
     x_api_key = request.headers.get("x-api-key")
     authorization = request.headers.get("Authorization") or (
         f"Bearer {x_api_key}" if x_api_key else None)
     admin_key = gateway.config.admin_key
     if admin_key is not None and bearer_matches(authorization, admin_key):
-        return _named(gateway, request.query.get("namespace"))
+        return _named(gateway, request.query.get("namespace")), True
     keys = gateway.config.keys
     if keys is None:
-        return ""
+        return "", False
     identity = keys.identify(authorization)
     if identity is None:
         raise APIError(401, "Explain needs a tenant's API key, or the admin key with "
                             "?namespace=<hash>", code="invalid_api_key")
     request["key"], request["tenant"] = identity
-    return keys.namespace(identity[1])
+    return keys.namespace(identity[1]), False
 
 
 def _named(gateway: Gateway, hashed: str | None) -> str:
@@ -154,15 +159,18 @@ def _find(gateway: Gateway, tokens: np.ndarray, namespace: str) -> Found:
                  report.pinned_tokens, following)
 
 
-def _divergence(gateway: Gateway, rendered: Rendered, found: Found, best: int) -> dict:
+def _divergence(gateway: Gateway, rendered: Rendered, found: Found, best: int,
+                admin: bool) -> dict:
     """Where the longest cached path leaves the prompt: its first token no tier holds, as a
-    place in the prompt's text and in its messages, with the text on both sides."""
+    place in the prompt's text and in its messages, with the prompt's text on both sides, and
+    for the admin key the cached text that follows instead."""
     tiers = {"pool": found.pool, "live": found.live, "redis": found.redis or 0}
     source = max(tiers, key=tiers.get) if best else None  # ties: the pool, whose path we see
     pieces = [gateway.model.token_piece(t, special=True) for t in rendered.tokens]
     text = b"".join(pieces).decode(errors="ignore")
     at = len(b"".join(pieces[:best]).decode(errors="ignore"))
-    following = found.following.get(source or "pool")  # Redis's values are not fetched
+    # Redis's values are not fetched; a tenant is never shown text it did not send.
+    following = found.following.get(source or "pool") if admin else None
     held = None if following is None else b"".join(
         gateway.model.token_piece(int(t), special=True) for t in following).decode(
         errors="ignore")[:CONTEXT_CHARS]

@@ -53,11 +53,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_prompt(gateway: Gateway, body: ChatCompletionRequest) -> ChatPrompt:
     """The prompt of a chat completion (POST /v1/chat/completions and /v1/cache/explain)."""
     # Rendering and tokenizing a long prompt takes milliseconds: off the loop, streams keep going.
-    try:
-        return await asyncio.to_thread(gateway.prompts.chat, body.messages, body.toolbox,
-                                       Reasoning.of_effort(body.reasoning_effort))
-    except ValueError as exc:  # the chat template refused the messages (raise_exception)
-        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    return await asyncio.to_thread(gateway.prompts.chat, body.messages, body.toolbox,
+                                   Reasoning.of_effort(body.reasoning_effort))
 
 
 async def completion_prompt(gateway: Gateway, body: CompletionRequest) -> list[int]:

@@ -13,6 +13,7 @@ from llama_cpp import llama_chat_format
 from engine.llama import Model
 from gateway.builtin_templates import BuiltinTemplate
 from gateway.chat_formats import TEMPLATE_DEFAULT, ChatFormat, OutputParser, Reasoning, detect
+from gateway.errors import invalid
 from gateway.protocol import Message
 from gateway.tools import Toolbox
 
@@ -53,7 +54,7 @@ class PromptBuilder:
 
     def chat(self, messages: list[Message], toolbox: Toolbox | None = None,
              reasoning: Reasoning = TEMPLATE_DEFAULT) -> ChatPrompt:
-        """ValueError when the template refuses the messages (its raise_exception)."""
+        """A 400 when the template cannot render the messages (render_chat)."""
         text = self.render_chat(messages, toolbox, reasoning)
         return ChatPrompt(text, self.tokenize_rendered(text), self.parser(toolbox, text))
 
@@ -72,8 +73,22 @@ class PromptBuilder:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
     def render_chat(self, messages: list[Message], toolbox: Toolbox | None = None,
-                    reasoning: Reasoning = TEMPLATE_DEFAULT) -> str:
-        """The prompt's text. ValueError when the template refuses the messages.
+                    reasoning: Reasoning = TEMPLATE_DEFAULT, param: str = "messages") -> str:
+        """The prompt's text, or a 400 naming `param` (the request's conversation) when the
+        template cannot render it: its own raise_exception, or any error its code meets on the
+        request's values (a filter given a list where it takes a mapping, say). The template
+        runs on what the client sent, so whatever fails there is the request's to fix, on
+        every API.
+        """
+        try:
+            return self._render(messages, toolbox, reasoning)
+        except Exception as exc:
+            raise invalid(f"The chat template could not render the {param}: "
+                          f"{type(exc).__name__}: {exc}", param) from None
+
+    def _render(self, messages: list[Message], toolbox: Toolbox | None,
+                reasoning: Reasoning) -> str:
+        """The prompt's text.
 
         Tools are rendered by the template when it takes them, else described in the system
         message (gateway/tools.py); earlier calls and results by the template when it renders

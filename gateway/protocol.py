@@ -10,6 +10,8 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.messages import GenerationRequest, SamplerSettings
+from gateway import bounds
+from gateway.bounds import at_most
 from gateway.config import SamplingDefaults
 from gateway.errors import APIError, invalid
 from gateway.structured import Grammar, grammar_for
@@ -40,7 +42,7 @@ class Prediction(_Strict):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat, mostly."""
 
     type: Literal["content"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    content: str | Annotated[list[TextPart], Field(min_length=1, max_length=bounds.PARTS)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else \
@@ -62,9 +64,9 @@ class CalledTool(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], at_most(bounds.PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[CalledTool] | None = None  # assistant
+    tool_calls: Annotated[list[CalledTool], at_most(bounds.PARTS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its reasoning, as llama-server returns it
 
@@ -126,9 +128,10 @@ class _Sampling(_Strict):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: str | Annotated[list[str], at_most(bounds.STOP_STRINGS)] | None = None
     n: Annotated[int, Field(ge=1)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          at_most(bounds.LOGIT_BIAS)] | None = None
     user: str | None = None
     # OpenAI's prompt-cache words: a routing hint, and "24h" pins the prompt's blocks. Neither
     # they nor safety_identifier/user ever choose a cache namespace: API keys do.
@@ -150,9 +153,13 @@ class _Sampling(_Strict):
         for param, asked in self._unsupported().items():
             if asked:
                 raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
+        bounds.check_stop_strings(self.stop_list(), "stop")
         if self.stream_options and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true",
                           "stream_options")
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -185,7 +192,7 @@ class _Sampling(_Strict):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0),
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logit_bias=self._token_biases(n_vocab),
@@ -236,19 +243,19 @@ def completion_room(n_prompt: int, seq_len: int, wanted: int | None, cap: int | 
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=bounds.MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], at_most(bounds.TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    functions: list[dict] | None = None
+    functions: Annotated[list[dict], at_most(bounds.TOOLS)] | None = None
     function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], at_most(bounds.METADATA)] | None = None
     prediction: Prediction | None = None
 
     def _unsupported(self) -> dict[str, bool]:
@@ -287,9 +294,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: (str | Annotated[list[str], Field(min_length=1)]
-             | Annotated[list[int], Field(min_length=1)]
-             | Annotated[list[list[int]], Field(min_length=1)])
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=bounds.PARTS)]
+             | Annotated[list[int], Field(min_length=1, max_length=bounds.TOKEN_IDS)]
+             | Annotated[list[Annotated[list[int], at_most(bounds.TOKEN_IDS)]],
+                         Field(min_length=1, max_length=bounds.PARTS)])
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -325,7 +333,7 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     """llama-server's /detokenize."""
 
-    tokens: list[int]
+    tokens: Annotated[list[int], at_most(bounds.TOKEN_IDS)]
 
 
 RequestT = TypeVar("RequestT", bound=_Strict)
@@ -341,7 +349,9 @@ def parse_request(model: type[RequestT], body: bytes) -> RequestT:
 
 
 def _as_api_error(exc: ValidationError) -> APIError:
-    error = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # A list past its bound fails every branch of a union (`str | list`): the bound is the news.
+    error = next((e for e in errors if e["type"] == "too_long"), errors[0])
     loc = [str(part) for part in error["loc"]]
     param = _param_name(loc)
     if error["type"] == "json_invalid":

@@ -113,11 +113,8 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
     history = previous.conversation() if previous else None
     turns = body.turns(history)
     tools_text = toolbox.system_text() if toolbox is not None else ""
-    try:
-        text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
-                                           body.reasoning_settings())
-    except ValueError as exc:  # the chat template refused the messages (raise_exception)
-        raise invalid(f"The chat template rejected the input: {exc}", "input") from None
+    text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
+                                       body.reasoning_settings(), "input")
     previous_text = previous.all_text() if previous else ""
     parent = None
     if previous is not None and previous.instructions == body.instructions \

@@ -8,9 +8,10 @@ without reasoning produced none: they are skipped). Leading system and developer
 
 Tools: `function` tools are served; a `namespace` tool's functions are offered to the model as
 `<namespace>__<name>` and a call to one comes back with its own name and `namespace`, as OpenAI
-names it. Hosted tools that cannot run here (web search, file search, code interpreter, computer
-use, image generation, MCP, shells, custom grammars) are left out of what the model sees: the
-client gets an answer, and the gateway counts and logs them (HOSTED_TOOLS).
+names it (a flattened name that another tool has too is a 400). Hosted tools that cannot run
+here (web search, file search, code interpreter, computer use, image generation, MCP, shells,
+custom grammars: HOSTED_TOOLS) are left out of what the model sees: the client gets an answer,
+and the gateway counts and logs them, by type. Any other type is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from gateway import bounds
+from gateway.bounds import at_most
 from gateway.chat_formats import Reasoning
 from gateway.errors import invalid
 from gateway.protocol import (
@@ -52,8 +55,8 @@ class InputText(_Strict):
 class OutputText(_Strict):
     type: Literal["output_text"]
     text: str
-    annotations: list[Any] | None = None
-    logprobs: list[Any] | None = None
+    annotations: Annotated[list[Any], at_most(bounds.PARTS)] | None = None
+    logprobs: Annotated[list[Any], at_most(bounds.TOKEN_IDS)] | None = None
 
 
 class Refusal(_Strict):
@@ -79,7 +82,7 @@ class MessageItem(_Strict):
     type: Literal["message"] | None = None  # an "easy" message leaves it out
     id: str | None = None
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Part]
+    content: str | Annotated[list[Part], at_most(bounds.PARTS)]
     status: str | None = None
     phase: str | None = None
 
@@ -107,7 +110,7 @@ class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str
-    output: str | list[Part]
+    output: str | Annotated[list[Part], at_most(bounds.PARTS)]
     status: str | None = None
 
     def text(self) -> str:
@@ -123,8 +126,8 @@ class ReasoningItem(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: Literal["reasoning"]
-    summary: list[dict] | None = None
-    content: list[dict] | None = None
+    summary: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
+    content: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
 
     def text(self) -> str:
         parts = self.content or self.summary or []
@@ -163,7 +166,7 @@ class NamespaceTool(_Strict):
     type: Literal["namespace"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
-    tools: list[FunctionTool]
+    tools: Annotated[list[FunctionTool], at_most(bounds.TOOLS)]
 
 
 class HostedTool(BaseModel):
@@ -201,29 +204,31 @@ class TextConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], at_most(bounds.MESSAGES)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[ToolSpec] | None = None
+    tools: Annotated[list[ToolSpec], at_most(bounds.TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    include: list[str] | None = None
+    include: Annotated[list[str], at_most(bounds.INCLUDE)] | None = None
     # OpenAI's prompt-cache words: a routing hint, and "24h" pins the prompt's blocks.
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], at_most(bounds.METADATA)] | None = None
     reasoning: dict | None = None  # its effort, for a template that takes one (gpt-oss, Qwen3)
     # Accepted, no effect here: one tier, Codex's own bookkeeping.
     service_tier: str | None = None
+    # "disabled" is what is done: a prompt past the context is a 400. "auto" (drop the oldest
+    # items until it fits) is refused rather than ignored.
     truncation: Literal["auto", "disabled"] | None = None
     client_metadata: dict | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
@@ -233,11 +238,21 @@ class ResponsesRequest(_Strict):
     prompt: dict | None = None
 
     def check_supported(self) -> None:
-        for param, asked in {"background": bool(self.background),
+        for param, asked in {"truncation": self.truncation == "auto",
+                             "background": bool(self.background),
                              "conversation": self.conversation is not None,
                              "prompt": self.prompt is not None}.items():
             if asked:
                 raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
+        for i, tool in enumerate(self.tools or []):
+            if isinstance(tool, HostedTool) and tool.type not in HOSTED_TOOLS:
+                raise invalid(f"tools[{i}].type: `{tool.type}` is not a tool type: a function, "
+                              f"a namespace, or one of {', '.join(HOSTED_TOOLS)}",
+                              f"tools[{i}].type")
+        offered = len(self.functions())
+        if offered > bounds.TOOLS:
+            raise invalid(f"'tools' offers {offered} functions, namespaces' included; at most "
+                          f"{bounds.TOOLS} are allowed", "tools")
         for i, item in enumerate(self.items()):
             if isinstance(item, UnservedItem):
                 raise invalid(f"input[{i}]: `{item.type}` items are not supported by this server",

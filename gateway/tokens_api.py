@@ -62,11 +62,8 @@ async def apply_template(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     admit(request)
     body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.read())
-    try:
-        text = await asyncio.to_thread(gateway.prompts.render_chat, body.messages,
-                                       body.toolbox, Reasoning.of_effort(body.reasoning_effort))
-    except ValueError as exc:
-        raise invalid(f"The chat template rejected the messages: {exc}", "messages") from None
+    text = await asyncio.to_thread(gateway.prompts.render_chat, body.messages,
+                                   body.toolbox, Reasoning.of_effort(body.reasoning_effort))
     return json_response({"prompt": text, "format": gateway.prompts.format.name})
 
 

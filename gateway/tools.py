@@ -47,6 +47,9 @@ class Toolbox:
         functions = {}
         for tool in tools:
             spec = tool.function
+            if spec.name in functions:  # one would shadow the other (a namespace's, say)
+                raise invalid(f"Tool names must be unique: '{spec.name}' is offered twice",
+                              "tools")
             functions[spec.name] = {"name": spec.name, "description": spec.description or "",
                                     "parameters": spec.parameters or ANY_OBJECT}
         if tool_choice in (None, "auto"):

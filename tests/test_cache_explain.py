@@ -58,7 +58,7 @@ def test_a_timestamp_in_the_system_prompt_is_named_as_the_miss(gateway, client, 
     assert system_a.index(STAMP_A) <= where["offset"] <= changed
     offset = where["offset"]
     assert where["prompt"] == system_b[offset: offset + len(where["prompt"])]
-    assert where["cached"] == system_a[offset: offset + len(where["cached"])] != ""
+    assert where["cached"] is None  # text the caller did not send: for the admin key alone
     assert where["before"].endswith(system_a[:offset][-10:])
     assert where["source"] == "pool" and answer["held"]["pool"] == where["token"]
     assert answer["held"]["pool"] < first.usage.prompt_tokens
@@ -94,10 +94,12 @@ def test_a_completion_body_is_explained_without_messages(gateway, model_name):
 
 @pytest.fixture(scope="module")
 def keyed(model_path, tmp_path_factory):
+    """Tenants a and b apart; c and d in one shared-prefix group."""
     keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
+    keys.write_text("key-a tenant-a\nkey-b tenant-b\nkey-c tenant-c\nkey-d tenant-d\n")
     server = GatewayProcess(model_path, *DEFAULT_ARGS, "--api-keys-file", str(keys),
-                            "--admin-key", ADMIN)
+                            "--admin-key", ADMIN, "--shared-prefix-tenants",
+                            "tenant-c,tenant-d")
     yield server
     server.stop()
 
@@ -117,6 +119,29 @@ def test_a_tenant_explains_its_own_namespace_and_the_admin_any(keyed, model_name
         mine["held"]
     status, error = post(keyed, "/v1/cache/explain", body, ADMIN, "?namespace=0123456789abcdef")
     assert status == 404 and error["error"]["param"] == "namespace"
+
+
+def test_a_shared_group_member_never_reads_anothers_text_and_the_admin_does(keyed,
+                                                                          model_name):
+    """Tenant c's conversation is cached; tenant d, in the same group, sends a prompt that
+    leaves it just before c's secret. d's explanation places the divergence in d's own prompt
+    and holds nothing of c's text past it; the admin's shows what the cache holds there."""
+    secret = "The vault code is 4471-ZETA-9902, tell nobody."
+    system = SYSTEM.format(stamp=STAMP_A)
+    tenant_c = openai_client(keyed)
+    tenant_c.api_key = "key-c"
+    tenant_c.chat.completions.create(model=model_name, max_tokens=2, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": secret}])
+    probe = {"model": model_name, "messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": "The vault"}]}
+    answer = explain(keyed, probe, "key-d")
+    assert answer["held"]["pool"] > 0  # the group shares the cache: d reuses c's prefix
+    where = answer["divergence"]
+    assert where["cached"] is None and where["source"] == "pool"
+    for fragment in ("4471", "ZETA", "9902", "tell nobody"):
+        assert fragment not in str(answer)
+    admin = explain(keyed, probe, ADMIN, f"?namespace={answer['namespace']}")
+    assert "4471" in admin["divergence"]["cached"]
 
 
 def test_the_header_says_what_usage_says(gateway, client, model_name):

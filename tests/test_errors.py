@@ -103,3 +103,73 @@ def test_server_still_serves_after_errors(gateway, client, model_name):
     r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4)
     assert r.usage.completion_tokens >= 1
     gateway.settled()
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder(model_path):
+    """A gateway rendering with Qwen3-Coder's template, which iterates a call's arguments as
+    a mapping."""
+    from loadtest.gateway_process import GatewayProcess
+    from tests.templates import template_path
+    server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "2048",
+                            "--model-alias", "*", "--chat-template-file",
+                            str(template_path("Qwen3-Coder.jinja")))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("arguments", ['[1, 2]', '"Paris"', '3'])
+def test_a_template_failing_on_the_request_is_a_400_on_every_api(qwen3_coder, arguments):
+    """Tool-call arguments that are JSON but not an object: the template's loop over them
+    fails inside Jinja (not its raise_exception). Each API answers a 400 in its own shape
+    naming the conversation, never a 500, and the server serves on."""
+    call_id, user = "call_1", {"role": "user", "content": "The weather in Paris?"}
+    history = [user, {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function",
+               "function": {"name": "get_weather", "arguments": arguments}}]},
+               {"role": "tool", "tool_call_id": call_id, "content": "Sunny"}]
+    for path in (CHAT, "/apply-template", "/v1/cache/explain"):
+        status, answer = call(qwen3_coder, path, {"model": "m", "messages": history,
+                                                  "max_tokens": 1})
+        assert status == 400 and answer["error"]["param"] == "messages", (path, answer)
+        assert "template" in answer["error"]["message"]
+    status, answer = call(qwen3_coder, "/v1/responses", {"model": "m", "input": [
+        {"role": "user", "content": "The weather in Paris?"},
+        {"type": "function_call", "call_id": call_id, "name": "get_weather",
+         "arguments": arguments},
+        {"type": "function_call_output", "call_id": call_id, "output": "Sunny"}],
+        "max_output_tokens": 1})
+    assert status == 400 and answer["error"]["param"] == "input", answer
+    status, answer = call(qwen3_coder, CHAT, {"model": "m", "messages": [user],
+                                              "max_tokens": 1})
+    assert status == 200, answer
+
+
+def test_a_responses_tool_of_no_known_type_is_a_400_and_hosted_ones_a_fixed_label(gateway,
+                                                                                  model_name):
+    """Before, any type was a hosted tool, left out silently, and a new metrics label and log
+    line each time."""
+    base = {"model": model_name, "input": "Hi", "max_output_tokens": 16}
+    for kind in ("made_up_tool_1", "made_up_tool_2"):
+        status, answer = call(gateway, "/v1/responses", base | {"tools": [{"type": kind}]})
+        assert status == 400 and answer["error"]["param"] == "tools[0].type", answer
+        assert kind in answer["error"]["message"]
+    status, answer = call(gateway, "/v1/responses", base | {"tools": [{"type": "web_search"}]})
+    assert status == 200, answer
+    exposition = urllib.request.urlopen(gateway.base_url + "/metrics", timeout=10).read()
+    assert b'type="web_search"' in exposition and b"made_up_tool" not in exposition
+
+
+def test_tool_names_that_collide_and_truncation_auto_are_400s(gateway, model_name):
+    function = {"type": "function", "name": "fs__read", "parameters": {"type": "object"}}
+    namespace = {"type": "namespace", "name": "fs", "tools": [
+        {"type": "function", "name": "read", "parameters": {"type": "object"}}]}
+    status, answer = call(gateway, "/v1/responses", {"model": model_name, "input": "Hi",
+                                                     "tools": [function, namespace]})
+    assert status == 400 and answer["error"]["param"] == "tools", answer
+    twice = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    status, answer = call(gateway, CHAT, chat(tools=[twice, twice], max_tokens=1) |
+                          {"model": model_name})
+    assert status == 400 and answer["error"]["param"] == "tools", answer
+    status, answer = call(gateway, "/v1/responses", {"model": model_name, "input": "Hi",
+                                                     "truncation": "auto"})
+    assert status == 400 and answer["error"]["param"] == "truncation", answer

@@ -1,5 +1,6 @@
 """Malformed requests, generated: every answer is a 4xx in OpenAI's shape (or a 200 when the
-mutation happened to stay valid), never a 5xx or a hang, and the server serves on."""
+mutation happened to stay valid), never a 5xx or a hang, and the server serves on. And every list a
+request carries, run past its bound on each API: a 400 in the API's shape naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import urllib.request
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from loadtest.long_lists import CASES, MESSAGES, body, error_param
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded", "",
@@ -91,3 +94,45 @@ def test_malformed_requests_get_4xx_in_openai_shape(gateway, model_name):
     check()
     assert gateway.health()[0] == 200
     gateway.settled()
+
+
+def test_every_list_past_its_bound_is_a_400_naming_it(gateway, model_name):
+    for case in CASES:
+        status, answer = post(gateway.base_url, case.path,
+                              json.dumps(body(case, model_name)).encode(), "application/json")
+        assert status == 400, (case.name, status, answer[:300])
+        answer = json.loads(answer)
+        if case.path == MESSAGES:
+            assert answer["type"] == "error" and \
+                answer["error"]["type"] == "invalid_request_error", case.name
+        assert case.param in error_param(case.path, answer), (case.name, answer)
+    status, health = gateway.health()
+    assert status == 200 and all(w["restarts"] == 0 for w in health["workers"])
+    gateway.settled()
+
+
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=st.lists(st.sampled_from(CASES), min_size=2, max_size=4, unique=True))
+def test_lists_past_their_bounds_together_are_still_a_400(gateway, model_name, picks):
+    """Several lists past their bounds in one body (those of one API): one 400, never a 5xx."""
+    path = picks[0].path
+    fields = {}
+    for case in picks:
+        if case.path == path:
+            fields |= case.fields()
+    mixed = body(picks[0], model_name) | fields
+    status, answer = post(gateway.base_url, path, json.dumps(mixed).encode(), "application/json")
+    assert status == 400, answer[:300]
+
+
+def test_the_bounds_page_lists_every_bound_as_the_code_has_it():
+    from pathlib import Path
+
+    from gateway import bounds
+    page = (Path(__file__).parents[1] / "docs" / "api-bounds.md").read_text()
+    listed = {row.split("|")[1].strip(" `"): int(row.split("|")[2])
+              for row in page.splitlines() if row.startswith("| `")}
+    in_code = {name: value for name, value in vars(bounds).items()
+               if name.isupper() and isinstance(value, int)}
+    assert listed == in_code
