@@ -16,16 +16,20 @@ how it writes tool calls. An answer is parsed into parts, in order: reasoning, t
 `json` is the fallback: for a template without its own call syntax, and for one without tools
 at all (then the tools are described in the system prompt, gateway/tools.py).
 
-The parser reads the whole answer so far, each time it grows (answers are short next to what it
-costs to compute them), and returns its parts. Parts only ever grow: a parse of a longer answer
-extends the last parse's parts and may add new ones, never changes what was returned. So a stream
-sends each part's growth as it comes. To keep that true, text that may be the start of a marker
-is held back until it is known, and a call is returned from the moment its name is known, its
-arguments (JSON) as far as they are written.
+The parser reads the whole answer so far, each time it grows, and returns its parts. Parts only
+ever grow: a parse of a longer answer extends the last parse's parts and may add new ones, never
+changes what was returned. So a stream sends each part's growth as it comes. To keep that true,
+text that may be the start of a marker is held back until it is known, and a call is returned
+from the moment its name is known, its arguments (JSON) as far as they are written. A stream
+reads its answer with a reader of its own (`OutputParser.reader`), which gives the same parts as
+parsing the whole answer so far, at a cost per token that does not grow with the answer: it
+resumes after what is settled (closed reasoning, closed calls, text before a call), and its
+searches and JSON scans resume where they ran out of text (loadtest/parse_cost.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -173,36 +177,71 @@ class _Malformed(Exception):
 
 @dataclass
 class OutputParser:
+    """Reads answers in a format. `parse` reads one answer at a time; `reader` gives a parser
+    of its own to one answer read as it grows (`read`), whose cost per token does not grow
+    with the answer: it resumes after what is settled (closed reasoning, closed calls), and
+    its searches and scans resume where they last ran out of text."""
+
     format: ChatFormat
     toolbox: Toolbox | None
     thinking: bool  # the answer starts inside reasoning
     head: str = ""  # the answer's start, written by the prompt
     openers: tuple[str, ...] = field(init=False)
+    # A reader's memory of its answer so far (positions count from the start of head + answer):
+    _read: int = field(init=False, repr=False, compare=False)  # the answer's length so far
+    # (pos, at_start, parts): where a parse may resume, the parts before it settled.
+    _settled: tuple[int, bool, tuple[Part, ...]] | None = field(init=False, repr=False,
+                                                                compare=False)
+    _finds: dict[tuple[str, int], int] = field(init=False, repr=False, compare=False)
+    # Scans of JSON values by where they start: (how far, depth, open string's start, closed).
+    _scans: dict[int, tuple[int, int, int | None, bool]] = field(init=False, repr=False,
+                                                                 compare=False)
+    _pairs_read: dict[int, tuple[str, str, int]] = field(init=False, repr=False, compare=False)
+    _members: dict[int, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.openers = OPENERS[self.format.name] if self.toolbox is not None else ()
+        self._read, self._settled = 0, None
+        self._finds, self._scans, self._pairs_read, self._members = {}, {}, {}, {}
 
     def call_grammar(self) -> Grammar | None:
         return self.format.grammar(self.toolbox, self.thinking)
 
+    def reader(self) -> OutputParser:
+        """A parser for one answer read as it grows: see `read`."""
+        return dataclasses.replace(self)
 
     def parse(self, text: str, final: bool) -> list[Part]:
         """The parts of an answer so far; `final` once it has ended."""
+        return self.reader().read(text, final)
+
+    def read(self, text: str, final: bool) -> list[Part]:
+        """The parts of this reader's answer so far, as `parse` gives them: each call's text
+        extends the last call's (a reader per answer)."""
+        if len(text) < self._read:
+            raise ValueError("a reader reads one answer as it grows; this one shrank")
+        self._read = len(text)
         text = self.head + text
         if self.format.name == "harmony":
             return _Harmony(self, final).parse(text)
-        parts: list[Part] = []
-        pos = self._reasoning(text, final, parts)
-        if pos is None:
-            return parts
-        pos = _skip_space(text, pos)
-        at_start = True
+        if self._settled is not None:
+            pos, at_start, parts = self._resume()
+        else:
+            parts = []
+            pos = self._reasoning(text, final, parts)
+            if pos is None:
+                return parts
+            pos = _skip_space(text, pos)
+            at_start = True
         while pos < len(text):
+            self._settle(pos, at_start, parts)
             start, opener = self._next_call(text, pos, at_start)
             if start is None:
-                _add_text(parts, text[pos:] if final else _held(text[pos:], self.openers))
+                _add_text(parts, text[pos:] if final else
+                          text[pos:_held_end(text, pos, self.openers)])
                 break
             _add_text(parts, text[pos:start].rstrip())
+            self._settle(start, at_start, parts)  # the text before a call is settled too
             calls_before = len(parts)
             try:
                 end = self._calls(text, start, opener, final, parts)
@@ -219,6 +258,75 @@ class OutputParser:
             pos, at_start = _skip_space(text, end), False
         return parts
 
+    # ----- what a reader remembers -------------------------------------------------------
+
+    def _settle(self, pos: int, at_start: bool, parts: list[Part]) -> None:
+        """A parse is at `pos` with the parts before it read: everything before `pos` is
+        settled (the reasoning and calls before it closed, and `pos` is inside the text), so
+        a longer answer's parse comes here the same way. Only a text part at the end may
+        still grow: it is copied."""
+        if self._settled is None or self._settled[0] != pos:
+            self._settled = (pos, at_start, tuple(_own_last(parts)))
+
+    def _resume(self) -> tuple[int, bool, list[Part]]:
+        pos, at_start, parts = self._settled
+        return pos, at_start, _own_last(list(parts))
+
+    def _find(self, text: str, sub: str, start: int, base: int = 0) -> int:
+        """text.find(sub, start), `text` being the answer from `base` on (maybe cut before its
+        end): a search that found nothing resumes where it stopped (the answer only grows)."""
+        key = (sub, base + start)
+        begin = max(start, self._finds.get(key, 0) - base)
+        found = text.find(sub, begin)
+        self._finds[key] = base + (found if found >= 0 else
+                                   max(begin, len(text) - len(sub) + 1))
+        return found
+
+    def _object_end(self, text: str, start: int, base: int = 0) -> int | None:
+        """The index after the JSON object or array opening at `start`; None if not yet closed.
+        Strings are skipped with str.find, and a scan resumes where the last one on this
+        answer stopped, with its depth: a long argument costs its new characters only."""
+        key = base + start
+        scan = self._scans.get(key)
+        if scan is not None and scan[0] - base <= len(text):
+            i, depth, string, closed = scan[0] - base, scan[1], scan[2], scan[3]
+            if closed:
+                return i
+            string = None if string is None else string - base
+        else:
+            i, depth, string = start, 0, None
+        while True:
+            if string is not None:
+                close = _string_close(text, string, i)
+                if close is None:
+                    self._scans[key] = (base + len(text), depth, base + string, False)
+                    return None
+                i, string = close, None
+            found = _STRUCTURE.search(text, i)
+            if found is None:
+                self._scans[key] = (base + len(text), depth, None, False)
+                return None
+            i = found.end()
+            mark = found.group()
+            if mark == '"':
+                string = i
+            elif mark in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    self._scans[key] = (base + i, 0, None, True)
+                    return i
+
+    def _string_end(self, text: str, start: int, base: int = 0) -> int | None:
+        """The index after the `"` closing a string whose content begins at `start`."""
+        key = -(base + start) - 1  # beside the objects' scans, apart from them
+        scan = self._scans.get(key)
+        searched = start if scan is None else max(start, scan[0] - base)
+        end = _string_close(text, start, searched)
+        self._scans[key] = (base + (len(text) if end is None else end - 1), 0, None, False)
+        return end
+
     # ----- reasoning ---------------------------------------------------------------------
 
     def _reasoning(self, text: str, final: bool, parts: list[Part]) -> int | None:
@@ -231,14 +339,15 @@ class OutputParser:
             stripped = _skip_space(text, 0)
             if text.startswith(opening, stripped):
                 start = stripped + len(opening)
-            elif not final and opening.startswith(text[stripped:]):
+            elif not final and opening.startswith(text[stripped:stripped + len(opening)]) \
+                    and len(text) - stripped <= len(opening):
                 return None  # may be the opening tag, not yet whole
             else:
                 return 0
-        end = text.find(closing, start)
+        end = self._find(text, closing, start)
         if end < 0:
-            body = text[start:] if final else _held(text[start:], (closing,))
-            parts.append(Part("reasoning", body.lstrip()))
+            cut = len(text) if final else _held_end(text, start, (closing,))
+            parts.append(Part("reasoning", text[min(_skip_space(text, start), cut):cut]))
             return None
         parts.append(Part("reasoning", text[start:end].strip()))
         return end + len(closing)
@@ -246,7 +355,7 @@ class OutputParser:
     # ----- calls -------------------------------------------------------------------------
 
     def _next_call(self, text: str, pos: int, at_start: bool) -> tuple[int | None, str]:
-        found = [(i, o) for o in self.openers if (i := text.find(o, pos)) >= 0]
+        found = [(i, o) for o in self.openers if (i := self._find(text, o, pos)) >= 0]
         if self.toolbox is not None and at_start and self.format.name in LEADING_OBJECT \
                 and text.startswith("{", pos):
             found.append((pos, "{"))
@@ -280,7 +389,7 @@ class OutputParser:
                    "glm": "</tool_call>", "deepseek": "<｜tool▁calls▁end｜>"
                    }.get(self.format.name)
         if closing and opener != "{":
-            end = text.find(closing, start)
+            end = self._find(text, closing, start)
             if end >= 0:
                 return end + len(closing)
         return len(text) if final else None
@@ -294,22 +403,22 @@ class OutputParser:
     def _tagged(self, text: str, body: int, closing: str, final: bool, parts: list[Part],
                 read) -> int | None:
         """One call between an opener and `closing`, its body read by `read`."""
-        end = text.find(closing, body)
+        end = self._find(text, closing, body)
         inner = text[body:end] if end >= 0 else text[body:]
-        read(inner, end >= 0 or final, parts)
+        read(inner, end >= 0 or final, parts, body)
         return None if end < 0 else end + len(closing)
 
-    def _hermes_call(self, inner: str, whole: bool, parts: list[Part]) -> None:
-        end = self._object_call(inner, whole, parts, ("arguments",))
+    def _hermes_call(self, inner: str, whole: bool, parts: list[Part], base: int) -> None:
+        end = self._object_call(inner, whole, parts, ("arguments",), base)
         if whole and (end is None or inner[end:].strip()):
             raise _Malformed
 
     def _object_call(self, text: str, final: bool, parts: list[Part],
-                     argument_keys: tuple[str, ...]) -> int | None:
-        """One call object at the start of `text`: `{"name": ..., <argument key>: {...}}`,
-        keys in any order (an `id` is kept). Its arguments are returned as they are written;
-        a call whose arguments come before its name, once both are read. Where the object
-        ends; None while it is not yet closed."""
+                     argument_keys: tuple[str, ...], base: int = 0) -> int | None:
+        """One call object at the start of `text` (the answer from `base` on):
+        `{"name": ..., <argument key>: {...}}`, keys in any order (an `id` is kept). Its
+        arguments are returned as they are written; a call whose arguments come before its
+        name, once both are read. Where the object ends; None while it is not yet closed."""
         pos = _skip_space(text, 0)
         if pos >= len(text):
             if final:
@@ -335,7 +444,7 @@ class OutputParser:
                 continue
             if text[pos] != '"':
                 raise _Malformed
-            key_end = _value_end(text, pos, final)
+            key_end = self._value_end(text, pos, final, base)
             if key_end is None:
                 break
             key = json.loads(text[pos:key_end])
@@ -346,7 +455,7 @@ class OutputParser:
             if value >= len(text):
                 break
             # Arguments cut by the length limit are returned as far as they got.
-            end = _value_end(text, value, final and key not in argument_keys)
+            end = self._value_end(text, value, final and key not in argument_keys, base)
             if key in argument_keys:
                 arguments = (value, end)
             elif key == "name" and end is not None:
@@ -365,6 +474,29 @@ class OutputParser:
         elif final:
             raise _Malformed
         return len(text) if final else None
+
+    def _value_end(self, text: str, start: int, final: bool, base: int = 0) -> int | None:
+        """The index after the JSON value at `start`; None while it may go on."""
+        if text[start] in "{[":
+            end = self._object_end(text, start, base)
+        elif text[start] == '"':
+            end = self._string_end(text, start + 1, base)
+        else:
+            literal = next((w for w in _LITERALS if text.startswith(w, start)), None)
+            number = _NUMBER.match(text, start)
+            rest = text[start:start + 6]  # a literal's start is shorter
+            if literal is not None:
+                end = start + len(literal)
+            elif number is not None and (final or number.end() < len(text)):
+                end = number.end()
+            elif not final and ((len(rest) < 6 and any(w.startswith(rest) for w in _LITERALS))
+                                or _NUMBER_SO_FAR.fullmatch(text, start)):
+                end = None
+            else:
+                raise _Malformed
+        if end is None and final:
+            raise _Malformed
+        return end
 
     def _argued(self, parts: list[Part], index: int, name: str, text: str,
                 arguments: tuple[int, int | None], done: bool, call_id: str | None) -> None:
@@ -388,7 +520,7 @@ class OutputParser:
                 if len(parts) and parts[-1].kind == "call":
                     return pos
                 raise _Malformed
-            end = self._object_call(text[pos:], final, parts, ("parameters", "arguments"))
+            end = self._object_call(text[pos:], final, parts, ("parameters", "arguments"), pos)
             if end is None:
                 return None
             pos = _skip_space(text, pos + end)
@@ -411,7 +543,7 @@ class OutputParser:
             if text[pos] == ",":
                 pos += 1
                 continue
-            end = self._object_call(text[pos:], final, parts, ("arguments",))
+            end = self._object_call(text[pos:], final, parts, ("arguments",), pos)
             if end is None:
                 return None
             pos += end
@@ -421,7 +553,7 @@ class OutputParser:
         [TOOL_CALLS]. A later call cut short before its arguments is left as text."""
         first = True
         while True:
-            sep = text.find("[ARGS]", pos)
+            sep = self._find(text, "[ARGS]", pos)
             name, _, call_id = text[pos:sep if sep >= 0 else len(text)].partition("[CALL_ID]")
             name, call_id = name.strip(), call_id.strip() or None
             if sep < 0 and not final and len(text) - pos <= 128:
@@ -431,7 +563,7 @@ class OutputParser:
                     raise _Malformed
                 return pos - len("[TOOL_CALLS]")
             args = _skip_space(text, sep + len("[ARGS]"))
-            end = _object_end(text, args) if args < len(text) else None
+            end = self._object_end(text, args) if args < len(text) else None
             if args < len(text) and text[args] != "{":
                 raise _Malformed
             self._call(parts, name, text[args:end if end else len(text)], end is not None,
@@ -455,61 +587,99 @@ class OutputParser:
             if text.startswith(end_all, pos):
                 return pos + len(end_all)
             if pos >= len(text) or not text.startswith(begin, pos):
-                if pos < len(text) and not begin.startswith(text[pos:]) and not \
-                        end_all.startswith(text[pos:]):
+                rest = text[pos:pos + len(begin) + len(end_all)]  # longer than either
+                if pos < len(text) and not begin.startswith(rest) and \
+                        not end_all.startswith(rest):
                     return pos  # calls without their closing marker, then text
                 return len(text) if final else None
             head = pos + len(begin)
-            sep = text.find("<｜tool▁sep｜>", head)
+            sep = self._find(text, "<｜tool▁sep｜>", head)
             if sep < 0:
                 return len(text) if final else None
             name, after = text[head:sep].strip(), sep + len("<｜tool▁sep｜>")
             if name == "function":  # R1: the name on the line after the separator
-                newline = text.find("\n", after)
+                newline = self._find(text, "\n", after)
                 if newline < 0:
                     return len(text) if final else None
                 name, after = text[after:newline].strip(), newline
-            args = text.find("{", after)
+            args = self._find(text, "{", after)
             if args < 0:
                 return len(text) if final else None
-            end = _object_end(text, args)
+            end = self._object_end(text, args)
             self._call(parts, name, text[args:end if end else len(text)], end is not None)
             if end is None:
                 return len(text) if final else None
-            close = text.find("<｜tool▁call▁end｜>", end)
+            close = self._find(text, "<｜tool▁call▁end｜>", end)
             if close < 0:
                 return len(text) if final else None
             pos = close + len("<｜tool▁call▁end｜>")
 
-    def _xml_call(self, inner: str, whole: bool, parts: list[Part]) -> None:
+    def _xml_call(self, inner: str, whole: bool, parts: list[Part], base: int) -> None:
         """<function=NAME><parameter=KEY>\\nVALUE\\n</parameter>...</function>"""
         head = re.match(r"\s*<function=([^>\n]+)>", inner)
         if head is None:
             if whole:
                 raise _Malformed
             return
-        params = _pairs(inner[head.end():], ("<parameter=", ">"), ("", "</parameter>"))
-        self._params(parts, head.group(1).strip(), params, whole or "</function>" in inner)
+        params = self._pairs(inner, head.end(), ("<parameter=", ">"), ("", "</parameter>"),
+                             base)
+        self._params(parts, head.group(1).strip(), params,
+                     whole or self._find(inner, "</function>", 0, base) >= 0)
 
-    def _glm_call(self, inner: str, whole: bool, parts: list[Part]) -> None:
+    def _glm_call(self, inner: str, whole: bool, parts: list[Part], base: int) -> None:
         """NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>..."""
         head = re.match(r"\s*([^<\n]+?)\s*(?:\n|<arg_key>|$)", inner)
         if head is None or (not whole and "\n" not in inner and "<arg_key>" not in inner):
             if whole:
                 raise _Malformed
             return
-        params = _pairs(inner, ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"))
+        params = self._pairs(inner, 0, ("<arg_key>", "</arg_key>"),
+                             ("<arg_value>", "</arg_value>"), base)
         self._params(parts, head.group(1).strip(), params, whole)
 
-    def _params(self, parts: list[Part], name: str, params: list[tuple[str, str]],
+    def _pairs(self, body: str, pos: int, key: tuple[str, str], value: tuple[str, str],
+               base: int) -> list[tuple[str, str, int]]:
+        """The parameters written whole in `body` (the answer from `base` on) from `pos`, as
+        (key, value, where): each key between `key`'s two markers, its value after it between
+        `value`'s (one newline trimmed at each end). Each is read once."""
+        pairs = []
+        while True:
+            known = self._pairs_read.get(base + pos)
+            if known is not None and known[2] - base <= len(body):
+                pairs.append((known[0], known[1], base + pos))
+                pos = known[2] - base
+                continue
+            start = self._find(body, key[0], pos, base)
+            if start < 0:
+                return pairs
+            key_end = self._find(body, key[1], start + len(key[0]), base)
+            opened = self._find(body, value[0], key_end + len(key[1]), base) \
+                if key_end >= 0 else -1
+            closed = self._find(body, value[1], opened + len(value[0]), base) \
+                if opened >= 0 else -1
+            if closed < 0:
+                return pairs
+            text = body[opened + len(value[0]):closed]
+            pair = (body[start + len(key[0]):key_end],
+                    text.removeprefix("\n").removesuffix("\n"), base + closed + len(value[1]))
+            self._pairs_read[base + pos] = pair
+            pairs.append((pair[0], pair[1], base + pos))
+            pos = closed + len(value[1])
+
+    def _params(self, parts: list[Part], name: str, params: list[tuple[str, str, int]],
                 whole: bool) -> None:
         """Parameters written as text, as JSON arguments: each value typed by the tool's
         schema (a string stays a string; anything else is read as JSON when it parses)."""
         if name not in self.toolbox.functions:
             raise _Malformed
         schema = self.toolbox.functions[name]["parameters"].get("properties", {})
-        members = [f"{json.dumps(key.strip())}: {_typed(value, schema.get(key.strip(), {}))}"
-                   for key, value in params]
+        members = []
+        for key, value, where in params:
+            member = self._members.get(where)
+            if member is None:
+                member = self._members[where] = \
+                    f"{json.dumps(key.strip())}: {_typed(value, schema.get(key.strip(), {}))}"
+            members.append(member)
         self._call(parts, name, "{" + ", ".join(members) + ("}" if whole else ""), whole)
 
 
@@ -530,25 +700,25 @@ class _Harmony:
         self.parser, self.final = parser, final
 
     def parse(self, text: str) -> list[Part]:
-        parts: list[Part] = []
-        pos = 0
+        parser = self.parser
+        pos, parts = (parser._resume()[::2] if parser._settled is not None else (0, []))
         while pos < len(text):
-            start = text.find("<|start|>", pos)
-            if start == pos:
-                pos = text.find("<|channel|>", pos)
+            parser._settle(pos, False, parts)  # the messages before it ended
+            if text.startswith("<|start|>", pos):
+                pos = parser._find(text, "<|channel|>", pos)
                 if pos < 0:
                     break
-            head_end = text.find("<|message|>", pos)
+            head_end = parser._find(text, "<|message|>", pos)
             if head_end < 0:
                 if self.final and not parts:
                     _add_text(parts, text[pos:])  # not harmony at all: text
                 break
             header = text[pos:head_end]
             body = head_end + len("<|message|>")
-            ends = [(i, e) for e in self.ENDS if (i := text.find(e, body)) >= 0]
+            ends = [(i, e) for e in self.ENDS if (i := parser._find(text, e, body)) >= 0]
             end, marker = min(ends) if ends else (None, "")
             content = text[body:end] if end is not None else (
-                text[body:] if self.final else _held(text[body:], self.ENDS))
+                text[body:] if self.final else text[body:_held_end(text, body, self.ENDS)])
             self._message(header, content, end is not None or self.final, parts)
             if end is None:
                 break
@@ -582,35 +752,26 @@ def _add_text(parts: list[Part], text: str) -> None:
         parts.append(Part("text", text))
 
 
-def _held(text: str, markers: tuple[str, ...]) -> str:
-    """`text` without its end when that end may be the start of a marker (or of whitespace
-    before one): what is held back until the next output says."""
+def _own_last(parts):
+    """`parts` (a list or tuple) with a text part at its end copied: the one part that a
+    later read may extend (_add_text)."""
+    if parts and parts[-1].kind == "text":
+        parts = [*parts[:-1], dataclasses.replace(parts[-1])]
+    return parts
+
+
+def _held_end(text: str, start: int, markers: tuple[str, ...]) -> int:
+    """Where text[start:] ends without its end when that end may be the start of a marker (or
+    of whitespace before one): what is held back until the next output says."""
     cut = len(text)
     for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        for n in range(min(len(marker) - 1, len(text) - start), 0, -1):
             if text.endswith(marker[:n]):
                 cut = min(cut, len(text) - n)
                 break
-    if markers:
-        cut = len(text[:cut].rstrip())
-    return text[:cut]
-
-
-def _pairs(body: str, key: tuple[str, str], value: tuple[str, str]) -> list[tuple[str, str]]:
-    """The parameters written whole in `body`, as (key, value): each key between `key`'s two
-    markers, its value after it between `value`'s (one newline trimmed at each end)."""
-    pairs, pos = [], 0
-    while (start := body.find(key[0], pos)) >= 0:
-        key_end = body.find(key[1], start + len(key[0]))
-        opened = body.find(value[0], key_end + len(key[1])) if key_end >= 0 else -1
-        closed = body.find(value[1], opened + len(value[0])) if opened >= 0 else -1
-        if closed < 0:
-            break
-        text = body[opened + len(value[0]):closed]
-        pairs.append((body[start + len(key[0]):key_end],
-                      text.removeprefix("\n").removesuffix("\n")))
-        pos = closed + len(value[1])
-    return pairs
+    if markers and cut > start and text[cut - 1].isspace():
+        cut = start + len(text[start:cut].rstrip())
+    return cut
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -622,63 +783,23 @@ def _skip_space(text: str, pos: int) -> int:
 _STRUCTURE = re.compile(r'[{}\[\]"]')
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """The index after the JSON object or array opening at `start`; None if not yet closed.
-    A call's arguments are read again each time they grow: strings are skipped with
-    str.find, so a long argument costs a few scans in C, not a Python loop per character."""
-    depth, i = 0, start
-    while (found := _STRUCTURE.search(text, i)) is not None:
-        i = found.end()
-        mark = found.group()
-        if mark == '"':
-            i = _string_close(text, i)
-            if i is None:
-                return None
-        elif mark in "{[":
-            depth += 1
-        else:
-            depth -= 1
-            if depth == 0:
-                return i
-    return None
-
-
-def _string_close(text: str, i: int) -> int | None:
-    """The index after the `"` that closes a string whose content begins at `i`."""
-    while (quote := text.find('"', i)) >= 0:
-        backslashes = quote - len(text[i:quote].rstrip("\\")) - i
-        if backslashes % 2 == 0:
+def _string_close(text: str, i: int, search: int | None = None) -> int | None:
+    """The index after the `"` that closes a string whose content begins at `i`; `search`:
+    where to look for it from (every quote between `i` and there is escaped)."""
+    pos = i if search is None else search
+    while (quote := text.find('"', pos)) >= 0:
+        escape = quote
+        while escape > i and text[escape - 1] == "\\":
+            escape -= 1
+        if (quote - escape) % 2 == 0:
             return quote + 1
-        i = quote + 1
+        pos = quote + 1
     return None
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_NUMBER_SO_FAR = re.compile(r"-?[\d.eE+-]*")
 _LITERALS = ("true", "false", "null")
-
-
-def _value_end(text: str, start: int, final: bool) -> int | None:
-    """The index after the JSON value at `start`; None while it may go on."""
-    if text[start] in "{[":
-        end = _object_end(text, start)
-    elif text[start] == '"':
-        end = _string_close(text, start + 1)
-    else:
-        rest = text[start:]
-        literal = next((w for w in _LITERALS if rest.startswith(w)), None)
-        number = _NUMBER.match(text, start)
-        if literal is not None:
-            end = start + len(literal)
-        elif number is not None and (final or number.end() < len(text)):
-            end = number.end()
-        elif not final and (any(w.startswith(rest) for w in _LITERALS)
-                            or re.fullmatch(r"-?[\d.eE+-]*", rest)):
-            end = None
-        else:
-            raise _Malformed
-    if end is None and final:
-        raise _Malformed
-    return end
 
 
 def _typed(value: str, schema: dict) -> str:

@@ -90,11 +90,16 @@ class Choice:
     n_generated: int = 0  # completion tokens so far, also when it never finishes
     parts: list[Part] = field(default_factory=list)
     logprobs_sent: int = 0  # how many of its logprobs went out with text
+    reader: OutputParser | None = None  # the parser's reader of this choice's text
 
     def grow(self, parser: OutputParser | None, final: bool) -> list[Growth]:
-        """Read the text so far into parts; what each part gained since the last read."""
-        parts = [Part("text", self.text)] if parser is None else \
-            parser.parse(self.text, final)
+        """Read the text so far into parts; what each part gained since the last read. The
+        choice's own reader reads it: a token costs the same however long the answer is."""
+        if parser is None:
+            parts = [Part("text", self.text)]
+        else:
+            self.reader = self.reader or parser.reader()
+            parts = self.reader.read(self.text, final)
         growth, calls = [], 0
         for i, part in enumerate(parts):
             if i < len(self.parts):

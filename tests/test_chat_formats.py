@@ -1,12 +1,15 @@
 """Each model family's output parsed into reasoning, text and calls: the format recognised from
 its real chat template (llama.cpp's models/templates), whole and at every prefix as a stream
-grows, where parts only ever grow."""
+grows, where parts only ever grow; and a stream's reader, fed the output in any pieces, giving
+at each what parsing the whole output so far gives."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.chat_formats import Part, detect
 from gateway.protocol import Tool
@@ -117,3 +120,51 @@ def test_strings_with_quotes_braces_and_backslashes_stay_inside_the_arguments():
             assert not part.done or part.text == arguments
     (call,) = parser.parse(output, final=True)
     assert call.done and json.loads(call.text) == json.loads(arguments)
+
+
+def _streams() -> list[tuple[str, str]]:
+    """Every family's outputs, and each with text before it and a second one after, and cut
+    short: (family, output)."""
+    streams = []
+    for family, case in CASES:
+        output = OUTPUTS[family][1][case].output
+        streams += [(family, output), (family, f"Let me see. {output}\n\nAgain: {output}"),
+                    (family, output[: len(output) * 2 // 3])]
+    return streams
+
+
+STREAMS = _streams()
+
+
+def _state(parts: list[Part]) -> list[tuple]:
+    return [(p.kind, p.text, p.name, p.id, p.done) for p in parts]
+
+
+def _read_in_pieces(family: str, output: str, ends: list[int]) -> None:
+    _, parser = parser_for(family)
+    reader = parser.reader()
+    for end in ends:
+        assert _state(reader.read(output[:end], final=False)) == \
+            _state(parser.parse(output[:end], final=False)), (family, output[:end])
+    assert _state(reader.read(output, final=True)) == _state(parser.parse(output, final=True))
+
+
+@pytest.mark.parametrize(("family", "output"), STREAMS)
+def test_a_reader_fed_a_character_at_a_time_parses_as_the_whole_does(family, output):
+    _read_in_pieces(family, output, list(range(len(output) + 1)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_reader_fed_random_pieces_parses_as_the_whole_does(data):
+    family, output = data.draw(st.sampled_from(STREAMS))
+    ends = data.draw(st.lists(st.integers(0, len(output)), max_size=12))
+    _read_in_pieces(family, output, sorted(ends))
+
+
+def test_a_reader_reads_one_answer():
+    _, parser = parser_for("hermes")
+    reader = parser.reader()
+    reader.read("Hello there", final=False)
+    with pytest.raises(ValueError):
+        reader.read("Hello", final=False)
