@@ -24,7 +24,9 @@ TOOLS = 512  # tools offered, a namespace's functions counted one by one
 LOGIT_BIAS = 1_024  # token biases
 METADATA = 16  # metadata pairs (OpenAI's bound)
 INCLUDE = 32  # Responses' `include` values
-TOKEN_IDS = 1 << 20  # token ids of a completion's prompt or a /detokenize request
+# Token ids of a completion's prompt or a /detokenize request: past the longest context a
+# local model serves, and ~45 ms of validation on the event loop at the most.
+TOKEN_IDS = 1 << 18
 
 
 def at_most(n: int):

@@ -350,8 +350,11 @@ def parse_request(model: type[RequestT], body: bytes) -> RequestT:
 
 def _as_api_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
-    # A list past its bound fails every branch of a union (`str | list`): the bound is the news.
-    error = next((e for e in errors if e["type"] == "too_long"), errors[0])
+    # A list past its bound fails every branch of a union (`str | list`): the bound is the news,
+    # and of several branches' bounds the largest (a list of ids is not too long for a list of
+    # strings' bound).
+    too_long = [e for e in errors if e["type"] == "too_long"]
+    error = max(too_long, key=lambda e: e["ctx"]["max_length"]) if too_long else errors[0]
     loc = [str(part) for part in error["loc"]]
     param = _param_name(loc)
     if error["type"] == "json_invalid":

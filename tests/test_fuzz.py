@@ -136,3 +136,17 @@ def test_the_bounds_page_lists_every_bound_as_the_code_has_it():
     in_code = {name: value for name, value in vars(bounds).items()
                if name.isupper() and isinstance(value, int)}
     assert listed == in_code
+
+
+def test_a_list_past_its_bound_is_told_its_own_bound_not_another_branchs():
+    """A completion's prompt may be text, strings, ids or lists of ids: too many ids is told
+    the ids' bound (pydantic reports every branch's; the list-of-strings' is smaller)."""
+    import pytest
+
+    from gateway import bounds
+    from gateway.errors import APIError
+    from gateway.protocol import CompletionRequest, parse_request
+    body = {"model": "m", "prompt": [1] * (bounds.TOKEN_IDS + 1)}
+    with pytest.raises(APIError) as refused:
+        parse_request(CompletionRequest, json.dumps(body).encode())
+    assert refused.value.param == "prompt" and str(bounds.TOKEN_IDS) in refused.value.message
