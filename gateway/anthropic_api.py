@@ -6,7 +6,8 @@ it by path).
 
 cache_control breakpoints pin the prompt's prefix up to each of them for its TTL (5 minutes
 unless `ttl` says 1h), in the tree's own pin accounting, refreshed by every request that marks
-them again, as Anthropic's cache is refreshed on each hit.
+them again, as Anthropic's cache is refreshed on each hit. A top-level cache_control (automatic
+caching) is one more, on the request's last cacheable block: the whole prompt, turn after turn.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                        "messages"),
             sampler=sampler_settings(
                 gateway.config.sampling, body.temperature, body.top_p, body.top_k,
-                grammar=call_grammar_of(prompt.parser)),
+                grammar=body.output_grammar(call_grammar_of(prompt.parser))),
             stop=list(body.stop_sequences or []),
             namespace=request["namespace"])
         return Plan(generation, stream=body.stream, pins=prompt.pins)
@@ -85,8 +86,10 @@ def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
     if with_pins:
         whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
         for mark in body.breakpoints():
-            prefix = np.asarray(_chat(gateway, body.cut(mark.where)).tokens)
-            pins.append(Pin(common_prefix(whole, prefix), min(mark.seconds, longest)))
+            cut = body.cut(mark.where)  # the whole request, when the mark is its last block
+            reach = len(tokens) if cut == body else \
+                common_prefix(whole, np.asarray(_chat(gateway, cut).tokens))
+            pins.append(Pin(reach, min(mark.seconds, longest)))
     return RenderedPrompt(tokens, tuple(pins), prompt.parser)
 
 

@@ -1,12 +1,18 @@
 """Anthropic's Messages request bodies, validated strictly, and their translation into the chat
 messages and tools the one prompt path renders (gateway/prompts.py).
 
-`thinking` turns a reasoning model's thinking on or off where its template can. Fields that
-change nothing for a local model are accepted and have no effect: `context_management`,
-`output_config`, `metadata`, `safeguards`, `service_tier`, a tool's `defer_loading`. What cannot be
-served (image or document blocks for a text-only model, server tools) is a 400 naming it: user
-content is never dropped silently. `thinking` blocks of earlier assistant turns are the model's
-own reasoning, rendered back as its template does (most keep only the last turn's).
+`thinking` turns a reasoning model's thinking on or off where its template can, and
+`output_config.effort` gives its level to a template that takes one; `output_config.format` is
+enforced by a grammar, as chat's `response_format`. A top-level `cache_control` is Anthropic's
+automatic caching: a breakpoint on the last cacheable block (one of the four). A tool's
+`input_examples` are shown to the model in its description. Fields that change nothing for a
+local model are accepted and have no effect: `context_management`, `metadata`, `safeguards`,
+`service_tier`, `speed`, `inference_geo`, `container`, `diagnostics`, `user_profile_id`,
+`workspace_id`, a turn's `output_config`, a tool's `defer_loading`, `allowed_callers` and
+`eager_input_streaming`, a tool use's `caller`. What cannot be served (image or document blocks
+for a text-only model, server tools and their blocks) is a 400 naming it: user content is never
+dropped silently. `thinking` blocks of earlier assistant turns are the model's own reasoning,
+rendered back as its template does (most keep only the last turn's).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from gateway.protocol import (
     Tool,
     _Strict,
 )
+from gateway.structured import Grammar, grammar_for
 from gateway.tools import Toolbox
 
 # Claude Code's first system block: a billing line whose value changes with every conversation
@@ -64,6 +71,8 @@ class ToolUseBlock(_Strict):
     name: str
     input: dict
     cache_control: CacheControl | None = None
+    caller: dict | None = None  # who called it (direct, or a server tool's code): no effect
+    toolset_name: str | None = None
 
 
 class UnservedBlock(BaseModel):
@@ -72,7 +81,9 @@ class UnservedBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["image", "document", "search_result", "server_tool_use",
                   "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
-                  "mcp_tool_use", "mcp_tool_result", "container_upload"]
+                  "mcp_tool_use", "mcp_tool_result", "container_upload", "tool_reference",
+                  "browser_state", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "tool_search_tool_result"]
 
 
 class ToolResultBlock(_Strict):
@@ -83,6 +94,7 @@ class ToolResultBlock(_Strict):
                              at_most(bounds.PARTS)] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # text blocks only, once check_supported passed
@@ -126,6 +138,17 @@ class AnthropicTool(_Strict):
     cache_control: CacheControl | None = None
     defer_loading: bool | None = None  # a hint for Anthropic's tool search: no effect here
     strict: bool | None = None
+    # Which code may call it (server tools' code execution, refused here): no effect.
+    allowed_callers: Annotated[list[str], at_most(bounds.PARTS)] | None = None
+    eager_input_streaming: bool | None = None  # input is streamed as it is written anyway
+    input_examples: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
+
+    def described(self) -> str | None:
+        """The description the model reads: with the examples of input, where given."""
+        if not self.input_examples:
+            return self.description
+        examples = "\n".join(json.dumps(e) for e in self.input_examples)
+        return f"{self.description or ''}\n\nExamples of input:\n{examples}".lstrip()
 
 
 class AnthropicToolChoice(_Strict):
@@ -136,6 +159,24 @@ class AnthropicToolChoice(_Strict):
 
 class Metadata(_Strict):
     user_id: str | None = None
+
+
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+    def effort_level(self) -> str | None:
+        """The level as templates take it (gpt-oss: low, medium, high)."""
+        return {"xhigh": "high", "max": "high"}.get(self.effort, self.effort)
+
+
+class Diagnostics(_Strict):
+    previous_message_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +197,12 @@ class CountTokensRequest(_Strict):
     tool_choice: AnthropicToolChoice | None = None
     thinking: dict | None = None  # enabled/disabled: the template's switch, where it has one
     context_management: dict | None = None
-    output_config: dict | None = None
+    output_config: OutputConfig | None = None
+    # Automatic caching: a breakpoint on the last cacheable block, counted among the four.
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None  # one speed here: no effect
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
     # Claude Code's classifier context: no effect here
     safeguards: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
     mcp_servers: Annotated[list[dict], at_most(bounds.TOOLS)] | None = None
@@ -200,11 +246,12 @@ class CountTokensRequest(_Strict):
     def reasoning(self) -> Reasoning:
         """`thinking` on or off, for a template that can switch it (Qwen3's enable_thinking)."""
         kind = (self.thinking or {}).get("type")
-        return Reasoning({"enabled": True, "disabled": False}.get(kind))
+        return Reasoning({"enabled": True, "disabled": False}.get(kind),
+                         self.output_config.effort_level() if self.output_config else None)
 
     def toolbox(self) -> Toolbox | None:
         tools = [Tool(type="function", function=FunctionSpec(
-            name=t.name, description=t.description, parameters=t.input_schema))
+            name=t.name, description=t.described(), parameters=t.input_schema))
             for t in self.tools or []]
         choice = self.tool_choice
         return Toolbox.of(tools, self._openai_tool_choice(),
@@ -254,7 +301,8 @@ class CountTokensRequest(_Strict):
         return turns
 
     def breakpoints(self) -> list[Breakpoint]:
-        """Every cache_control mark, in prompt order (tools, system, messages)."""
+        """Every cache_control mark, in prompt order (tools, system, messages), and last the
+        top-level one's (automatic caching), on the last cacheable block."""
         marks = [Breakpoint(("tools", i), t.cache_control.seconds)
                  for i, t in enumerate(self.tools or []) if t.cache_control]
         if isinstance(self.system, list):
@@ -264,7 +312,23 @@ class CountTokensRequest(_Strict):
             if isinstance(message.content, list):
                 marks += [Breakpoint(("messages", m, b), block.cache_control.seconds)
                           for b, block in enumerate(message.content) if block.cache_control]
+        automatic = self._last_cacheable() if self.cache_control else None
+        if automatic is not None:
+            marks.append(Breakpoint(automatic, self.cache_control.seconds))
         return marks
+
+    def _last_cacheable(self) -> tuple | None:
+        """Where automatic caching puts its breakpoint: the last block of the request that can
+        carry cache_control (thinking blocks cannot), messages first, then system, then tools."""
+        for m in range(len(self.messages) - 1, -1, -1):
+            blocks = self.messages[m].blocks()
+            for b in range(len(blocks) - 1, -1, -1):
+                if not isinstance(blocks[b], ThinkingBlock | RedactedThinkingBlock):
+                    return ("messages", m, b)
+        system = self.system_blocks(keep_billing_header=True)
+        if system:
+            return ("system", len(system) - 1)
+        return ("tools", len(self.tools) - 1) if self.tools else None
 
     def cut(self, where: tuple) -> CountTokensRequest:
         """The request up to and including the marked block: what the prefix up to a
@@ -275,11 +339,12 @@ class CountTokensRequest(_Strict):
         if part == "tools":
             update |= {"tools": self.tools[: where[1] + 1], "system": None, "messages": []}
         elif part == "system":
-            update |= {"system": self.system[: where[1] + 1], "messages": []}
+            system = self.system_blocks(keep_billing_header=True)
+            update |= {"system": system[: where[1] + 1], "messages": []}
         else:
             m, b = where[1], where[2]
             last = self.messages[m].model_copy(
-                update={"content": self.messages[m].content[: b + 1]})
+                update={"content": self.messages[m].blocks()[: b + 1]})
             update["messages"] = [*self.messages[:m], last]
         return self.model_copy(update=update)
 
@@ -292,8 +357,23 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: Metadata | None = None
-    service_tier: str | None = None  # one tier here: accepted, no effect
+    # Accepted, no effect here: one tier, one place, no server tools to run in a container,
+    # no cache_miss_reason in the answer (/v1/cache/explain says why a prompt misses).
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    container: str | dict | None = None
+    diagnostics: Diagnostics | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         bounds.check_stop_strings(self.stop_sequences or [], "stop_sequences")
+
+    def output_grammar(self, calls: Grammar | None) -> Grammar | None:
+        """A required call's grammar; else output_config.format's; else the calls' lazy one."""
+        if calls is not None and not calls.triggers:
+            return calls
+        fmt = self.output_config.format if self.output_config else None
+        if fmt is None:
+            return calls
+        return Grammar(grammar_for("json_schema", {"name": "output", "schema": fmt.schema_},
+                                   param="output_config.format"))

@@ -92,6 +92,13 @@ CASES = [
     Case("messages 5 breakpoints", MESSAGES, lambda: {"messages": [
         {"role": "user", "content": [MARKED] * (bounds.CACHE_BREAKPOINTS + 1)}]},
         "cache_control"),
+    Case("messages 4 breakpoints and automatic caching", MESSAGES, lambda: {
+        "cache_control": {"type": "ephemeral"},
+        "messages": [{"role": "user", "content": [MARKED] * bounds.CACHE_BREAKPOINTS}]},
+        "cache_control"),
+    Case("messages input_examples", MESSAGES, lambda: {"tools": [
+        ANTHROPIC_TOOL | {"input_examples": [{}] * _n(bounds.PARTS)}]},
+        "tools[0].input_examples"),
     Case("messages messages", MESSAGES, lambda: {"messages": [USER] * _n(bounds.MESSAGES)},
          "messages"),
     Case("messages content blocks", MESSAGES,

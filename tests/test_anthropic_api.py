@@ -240,6 +240,10 @@ ERRORS = [
       "tool_choice": {"type": "tool", "name": "nope"},
       "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
      "invalid_request_error", "nope"),
+    ({"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "tool_reference", "tool_name": "f"}]}]}]}, 400, "invalid_request_error",
+     "tool_reference"),
     ({"model": "gpt-4o", "max_tokens": 8, "messages": USER}, 404, "not_found_error", "gpt-4o"),
     ({"model": ALIAS, "max_tokens": 8, "messages": [{"role": "user", "content": "word " * 9000}]},
      400, "invalid_request_error", "context length"),
@@ -302,3 +306,65 @@ def test_with_tools_offered_a_text_answer_streams_as_it_comes(server):
     # answer to the same question drafts this one).
     assert len(deltas) >= 2 and deltas[0]["text"].strip()
     assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_the_fields_the_current_sdk_sends_are_accepted(server):
+    """Every field of anthropic 2.17's MessageCreateParams that has no meaning for a local model
+    is accepted (before, each was a 400 "unknown parameter"), and a tool use sent back with its
+    `caller` and the tool's newer fields too. The answer is the one without them."""
+    plain = ask(server, system=SYSTEM)
+    message = ask(server, system=SYSTEM, service_tier="standard_only", inference_geo="us",
+                  speed="standard", container="container_011", user_profile_id="up_1",
+                  workspace_id="wrkspc_1", diagnostics={"previous_message_id": plain.id},
+                  metadata={"user_id": "u-1"}, output_config={"effort": "max"})
+    assert message.content[0].text == plain.content[0].text
+    tool = {**WEATHER, "allowed_callers": ["direct"], "eager_input_streaming": True,
+            "defer_loading": False, "strict": True}
+    answer = client(server).messages.create(
+        model=ALIAS, max_tokens=8, tools=[tool], tool_choice={"type": "none"}, messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris", "unit": "celsius"}, "caller": {"type": "direct"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": "18 degrees"}]}])
+    assert answer.content[0].type == "text"
+    count = client(server).messages.count_tokens(
+        model=ALIAS, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}],
+        cache_control={"type": "ephemeral"}, output_config={"effort": "low"}, speed="fast",
+        user_profile_id="up_1", workspace_id="wrkspc_1")
+    assert count.input_tokens == prompt_total(plain.usage)
+
+
+def test_output_config_format_is_enforced(server):
+    """Structured outputs: the answer is JSON that the schema accepts, by the grammar."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}},
+              "required": ["capital"], "additionalProperties": False}
+    message = ask(server, max_tokens=40,
+                  output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError, match="multipleOf"):
+        ask(server, output_config={"format": {"type": "json_schema", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}})
+
+
+def test_a_tools_input_examples_are_shown_to_the_model(server):
+    messages = [{"role": "user", "content": QUESTION}]
+    without = client(server).messages.count_tokens(model=ALIAS, tools=[WEATHER],
+                                                   messages=messages).input_tokens
+    example = {"city": "Bergen", "unit": "celsius"}
+    tokens = client(server).messages.count_tokens(
+        model=ALIAS, tools=[{**WEATHER, "input_examples": [example]}],
+        messages=messages).input_tokens
+    assert tokens > without + 5
+
+
+def test_top_level_cache_control_counts_among_the_four_breakpoints(server):
+    marked = [{"type": "text", "text": f"Part {i}.", "cache_control": {"type": "ephemeral"}}
+              for i in range(4)]
+    four = ask(server, max_tokens=2, system=marked)
+    assert four.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="Found 5"):
+        ask(server, max_tokens=2, system=marked, cache_control={"type": "ephemeral"})

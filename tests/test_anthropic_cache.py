@@ -56,14 +56,19 @@ def test_a_breakpoint_writes_then_reads_and_the_fields_add_up(tiny_pool):
     tiny_pool.settled()
 
 
+def flood(server: GatewayProcess, send) -> None:
+    """Five unmarked prompts, each evicting what it can; pins stay within their budget."""
+    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
+        send(story(topic))
+        metrics = server.metrics()
+        assert metrics["prefixgate_prefix_cache_pinned_blocks"] <= \
+            metrics["prefixgate_prefix_cache_pin_budget_blocks"] == 2
+
+
 def test_a_pinned_prefix_survives_a_flood_then_falls_back_to_lru(tiny_pool):
     ask(tiny_pool, story("The lighthouse"), marked=True)
     ask(tiny_pool, story("The ferry"), marked=False)
-    for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):  # each evicts what it can
-        ask(tiny_pool, story(topic), marked=False)
-        metrics = tiny_pool.metrics()
-        assert metrics["prefixgate_prefix_cache_pinned_blocks"] <= \
-            metrics["prefixgate_prefix_cache_pin_budget_blocks"] == 2
+    flood(tiny_pool, lambda system: ask(tiny_pool, system, marked=False))
     assert ask(tiny_pool, story("The ferry"), marked=False).cache_read_input_tokens < 16
     assert ask(tiny_pool, story("The lighthouse"), marked=False).cache_read_input_tokens >= 64
     time.sleep(PIN_SECONDS + 0.5)  # the pin's TTL is over: an ordinary LRU prefix again
@@ -144,3 +149,65 @@ def test_a_breakpoint_reaches_as_far_as_its_block(tiny_pool):
         client(tiny_pool).messages.create(**{**request, "system": [
             {"type": "text", "text": system, "cache_control": {"type": "ephemeral",
                                                                "ttl": "2h"}}]})
+
+
+@pytest.fixture
+def long_pins(model_path):
+    """The tiny pool of `tiny_pool` (4 blocks, 2 pinned at most), with pins that outlast any
+    test, however slow the machine: only the flood can take what is not pinned."""
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "6", "--pin-budget-mb", "3", "--tenant-cache-share", "1",
+                            "--temperature", "0", "--model-alias", "claude-*")
+    yield server
+    server.stop()
+
+
+def automatic(server: GatewayProcess, system: str, cached: bool):
+    """A request as the anthropic SDK sends automatic caching: `cache_control` at the top."""
+    fields = {"cache_control": CC} if cached else {}
+    return client(server).messages.create(
+        model=ALIAS, max_tokens=4, system=system,
+        messages=[{"role": "user", "content": "Say one word."}], **fields).usage
+
+
+def test_top_level_cache_control_writes_the_whole_prompt_and_pins_it(long_pins):
+    """Automatic caching: the breakpoint is the last block of the last message, so the whole
+    prompt is written (nothing is left as plain input), read on a repeat, and pinned as a
+    block's breakpoint is: it outlives a flood that takes an unmarked prompt."""
+    first = automatic(long_pins, story("The lighthouse"), cached=True)
+    assert first.cache_read_input_tokens < 16 and first.input_tokens == 0
+    assert first.cache_creation_input_tokens >= 64
+    again = automatic(long_pins, story("The lighthouse"), cached=True)
+    assert again.cache_read_input_tokens >= 64 and again.input_tokens == 0
+    assert prompt_total(again) == prompt_total(first)
+    unmarked = automatic(long_pins, story("The ferry"), cached=False)
+    assert unmarked.cache_creation_input_tokens == 0
+    flood(long_pins, lambda system: automatic(long_pins, system, cached=False))
+    assert automatic(long_pins, story("The ferry"), cached=False).cache_read_input_tokens < 16
+    assert automatic(long_pins, story("The lighthouse"), cached=False
+                     ).cache_read_input_tokens >= 64
+    long_pins.settled()
+
+
+def test_the_automatic_breakpoint_is_the_last_cacheable_block():
+    """Anthropic's placement: the last block of the last message (a thinking block cannot be
+    marked: the one before it), else the last system block, else the last tool; counted with
+    the blocks' own marks, its TTL its own."""
+    def marks(**fields):
+        body = {"model": ALIAS, "max_tokens": 4, "cache_control": {"type": "ephemeral",
+                                                                   "ttl": "1h"}, **fields}
+        return [(m.where, m.seconds) for m in MessagesRequest.model_validate(body).breakpoints()]
+
+    assert marks(messages=[{"role": "user", "content": "Hi"}]) == [(("messages", 0, 0), 3600.0)]
+    assert marks(system=[{"type": "text", "text": "A", "cache_control": CC}],
+                 messages=[{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": [
+                               {"type": "text", "text": "Hello"},
+                               {"type": "thinking", "thinking": "hm", "signature": "s"}]}]) == [
+        (("system", 0), 300.0), (("messages", 1, 0), 3600.0)]
+    assert marks(system="Be brief.", messages=[{"role": "user", "content": []}]) == [
+        (("system", 0), 3600.0)]
+    request = MessagesRequest.model_validate({"model": ALIAS, "max_tokens": 4,
+                                              "system": "Be brief.",
+                                              "messages": [{"role": "user", "content": []}]})
+    assert request.cut(("system", 0)).system_blocks(True)[0].text == "Be brief."
