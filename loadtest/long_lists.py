@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import ClientSession
+from aiohttp import ClientSession, ClientTimeout
 
 from gateway import bounds
 from gateway.model_store import default_model_path
@@ -37,6 +37,7 @@ FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type":
 ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
 RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 MARKED = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}
+ANSWER_WITHIN = 120.0  # seconds: a case not answered by then is printed as a timeout
 
 
 @dataclass(frozen=True)
@@ -134,11 +135,15 @@ def error_param(path: str, answer: dict) -> str | None:
 
 async def measure(server: GatewayProcess, model: str, rounds: int) -> tuple[list, dict]:
     async with ClientSession() as session:
-        async def send(case: Case) -> tuple[int, float]:
+        async def send(case: Case) -> tuple[int | str, float]:
             sent = time.perf_counter()
-            async with session.post(server.base_url + case.path, json=body(case, model)) as r:
-                await r.read()
-                return r.status, time.perf_counter() - sent
+            try:
+                async with session.post(server.base_url + case.path, json=body(case, model),
+                                        timeout=ClientTimeout(total=ANSWER_WITHIN)) as r:
+                    await r.read()
+                    return r.status, time.perf_counter() - sent
+            except TimeoutError:
+                return "timeout", time.perf_counter() - sent
 
         streams = [asyncio.create_task(stream_chat(
             session, server.base_url, model,
