@@ -9,19 +9,28 @@
 
 Every tool's arguments are converted by one llama-cpp-python schema converter, so their rules
 share names (string, space...) without clashing. In formats that write arguments as text
-parameters (Qwen3-Coder's XML, GLM's), a string parameter is any text without `<`, and any other
-parameter is JSON of its schema.
+parameters (Qwen3-Coder's XML, GLM's), a string parameter is any text that does not hold the
+format's closing of a value (`</parameter>`, `</arg_value>`), as in llama.cpp's own grammars: code
+with `#include <stdio.h>`, `a < b`, HTML or generics goes through whole. Any other parameter is
+JSON of its schema. Reasoning that a required call follows is likewise any text without the
+closing of the reasoning (`</think>`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from llama_cpp.llama_grammar import SchemaConverter
 
 from gateway.errors import invalid
-from gateway.structured import MAX_GRAMMAR_BYTES, Grammar, check_schema, json_strings_only
+from gateway.structured import (
+    MAX_GRAMMAR_BYTES,
+    Grammar,
+    check_schema,
+    gbnf_literal,
+    json_strings_only,
+)
 
 
 class _Rules:
@@ -33,6 +42,7 @@ class _Rules:
         self.converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                          raw_pattern=False)
         self.names = {name: f"args-{i}" for i, name in enumerate(functions)}
+        self.texts: dict[str, str] = {}  # a closing -> the rules of text without it
 
     def arguments(self, name: str) -> str:
         """The rule of a tool's arguments, as JSON."""
@@ -41,32 +51,86 @@ class _Rules:
         schema = self.converter.resolve_refs(schema, name)
         return self.converter.visit(schema, self.names[name])
 
-    def parameter(self, name: str, key: str, schema: dict) -> str:
-        """The rule of one parameter written as text: a string is text without `<`."""
+    def parameter(self, name: str, key: str, schema: dict, closing: str) -> str:
+        """The rule of one parameter written as text: a string is any text without `closing`
+        (what ends the value)."""
         if schema.get("type") == "string" and not ({"enum", "const", "pattern"} & set(schema)):
-            return "[^<]*"
+            return self.text_without(closing)
         return self.converter.visit(schema, f"{self.names[name]}-{key}")
 
+    def text_without(self, closing: str) -> str:
+        """The rule of any text that does not hold `closing`; its rules are written once,
+        however many parameters use them."""
+        if closing not in self.texts:
+            self.texts[closing] = f"text-without-{len(self.texts)}"
+        return f"{self.texts[closing]}-0"
+
     def grammar(self, root: str) -> str:
-        grammar = json_strings_only(self.converter.format_grammar())
         if self.after is not None:  # the reasoning the prompt opened, closed first
-            root = f'[^<]* {json.dumps(self.after)} [ \\n]* ({root})'
-        grammar = f"root ::= {root}\n{grammar}"
+            root = f"{self.text_without(self.after)} {gbnf_literal(self.after)} [ \\n]* ({root})"
+        texts = [rule for closing, name in self.texts.items()
+                 for rule in text_without(closing, name)]
+        grammar = "\n".join([f"root ::= {root}", *texts,
+                             json_strings_only(self.converter.format_grammar())])
         if len(grammar) > MAX_GRAMMAR_BYTES:
             raise invalid(f"the tools make a grammar of {len(grammar)} bytes, more than "
                           f"{MAX_GRAMMAR_BYTES}", "tools")
         return grammar
 
 
+def text_without(closing: str, name: str) -> list[str]:
+    """GBNF rules `{name}-0`, `{name}-1`...: any text that does not hold `closing`, read from
+    `{name}-0`. Rule k is where the text so far ends in the first k characters of `closing`
+    (and in no longer start of it): each next character leads to the rule of the longest start
+    of `closing` that the text then ends in (the Knuth-Morris-Pratt automaton), and the one that
+    would complete `closing` leads nowhere. A rule may end the text where `closing`, written
+    after it, is found first at its own place (for every format's closing, any rule)."""
+    rules = []
+    for k in range(len(closing)):
+        steps = {c: _longest_start_at_end(closing[:k] + c, closing) for c in sorted(set(closing))}
+        onward = {c: j for c, j in steps.items() if j > 0}  # any other character goes to 0
+        alternatives = [f"[^{''.join(_class_char(c) for c in onward)}] {name}-0"]
+        alternatives += [f"{gbnf_literal(c)} {name}-{j}" for c, j in onward.items()
+                         if j < len(closing)]
+        if (closing[:k] + closing).find(closing) == k:
+            alternatives.append('""')
+        rules.append(f"{name}-{k} ::= " + " | ".join(alternatives))
+    return rules
+
+
+def _longest_start_at_end(text: str, closing: str) -> int:
+    """The length of the longest start of `closing` that `text` ends in."""
+    return next(n for n in range(min(len(text), len(closing)), -1, -1)
+                if text.endswith(closing[:n]))
+
+
+def _class_char(c: str) -> str:
+    """A character inside a GBNF character class: letters and digits as they are, anything
+    else by its code (no `]`, `^`, `-` or `\\` to escape)."""
+    if c.isascii() and c.isalnum():
+        return c
+    return f"\\x{ord(c):02X}" if ord(c) < 0x100 else f"\\U{ord(c):08X}"
+
+
+@dataclass(frozen=True)
+class TextCalls:
+    """A format that writes each parameter of a call as text: the call's head ({name}), what
+    comes before a parameter's value ({key}), what closes the value (a string value is any text
+    without it), what follows the value, and the call's tail."""
+
+    head: str
+    before: str
+    closing: str
+    after: str
+    tail: str
+
+
 COMMA = '", "'
-# Formats that write each parameter as text: a call's head, one parameter, the call's tail.
 TEXT_PARAMETERS = {
-    "qwen3-coder": ('"<tool_call>\\n<function={name}>\\n"',
-                    '"<parameter={key}>\\n" {value} "\\n</parameter>\\n"',
-                    '"</function>\\n</tool_call>"'),
-    "glm": ('"<tool_call>{name}\\n"',
-            '"<arg_key>{key}</arg_key>\\n<arg_value>" {value} "</arg_value>\\n"',
-            '"</tool_call>"'),
+    "qwen3-coder": TextCalls("<tool_call>\n<function={name}>\n", "<parameter={key}>\n",
+                             "</parameter>", "\n</parameter>\n", "</function>\n</tool_call>"),
+    "glm": TextCalls("<tool_call>{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>",
+                     "</arg_value>", "</arg_value>\n", "</tool_call>"),
 }
 
 
@@ -127,25 +191,26 @@ def call_grammar(format_name: str, functions: dict[str, dict], forced: str | Non
         return Grammar(rules.grammar(call),
                            (r"[\s\S]*?(<\|channel\|>commentary to=)[\s\S]*",) if lazy else ())
     if format_name in TEXT_PARAMETERS:
-        head, parameter, tail = TEXT_PARAMETERS[format_name]
+        text = TEXT_PARAMETERS[format_name]
 
         def written(name: str) -> str:
-            params = _parameters(rules, name, lambda key, value: parameter.format(
-                key=key, value=value))
-            return f"{head.format(name=name)} {params} {tail}"
+            return (f"{gbnf_literal(text.head.format(name=name))} "
+                    f"{_parameters(rules, name, text)} {gbnf_literal(text.tail)}")
         return Grammar(rules.grammar(calls(each(written), '"\\n"')),
                        _trigger("<tool_call>", lazy))
     return None
 
 
-def _parameters(rules: _Rules, name: str, written: Callable[[str, str], str]) -> str:
-    """A tool's parameters in its schema's order, the required ones always, the others
-    optional."""
+def _parameters(rules: _Rules, name: str, text: TextCalls) -> str:
+    """A tool's parameters written as text, in its schema's order, the required ones always,
+    the others optional."""
     schema = rules.functions[name]["parameters"]
     required = set(schema.get("required", []))
     parts = []
     for key, sub in (schema.get("properties") or {}).items():
-        part = written(key, rules.parameter(name, key, sub if isinstance(sub, dict) else {}))
+        value = rules.parameter(name, key, sub if isinstance(sub, dict) else {}, text.closing)
+        part = (f"{gbnf_literal(text.before.format(key=key))} {value} "
+                f"{gbnf_literal(text.after)}")
         parts.append(part if key in required else f"({part})?")
     return " ".join(parts) or '""'
 

@@ -374,9 +374,11 @@ class OutputParser:
         if name == "hermes":
             return self._tagged(text, body, "</tool_call>", final, parts, self._hermes_call)
         if name == "qwen3-coder":
-            return self._tagged(text, body, "</tool_call>", final, parts, self._xml_call)
+            return self._tagged(text, body, "</tool_call>", final, parts, self._xml_call,
+                                XML_PARAMETER)
         if name == "glm":
-            return self._tagged(text, body, "</tool_call>", final, parts, self._glm_call)
+            return self._tagged(text, body, "</tool_call>", final, parts, self._glm_call,
+                                GLM_PARAMETER)
         if name == "mistral":
             return self._mistral_list(text, body, final, parts)
         if name == "mistral-args":
@@ -401,9 +403,11 @@ class OutputParser:
         parts.append(Part("call", arguments, name, call_id, done))
 
     def _tagged(self, text: str, body: int, closing: str, final: bool, parts: list[Part],
-                read) -> int | None:
-        """One call between an opener and `closing`, its body read by `read`."""
-        end = self._find(text, closing, body)
+                read, parameter: Parameter | None = None) -> int | None:
+        """One call between an opener and `closing`, its body read by `read`; in a format
+        that writes `parameter`s as text, a `closing` inside a value does not close the call."""
+        end = self._find(text, closing, body) if parameter is None else \
+            self._closing_after_values(text, body, closing, parameter)
         inner = text[body:end] if end >= 0 else text[body:]
         read(inner, end >= 0 or final, parts, body)
         return None if end < 0 else end + len(closing)
@@ -621,10 +625,10 @@ class OutputParser:
             if whole:
                 raise _Malformed
             return
-        params = self._pairs(inner, head.end(), ("<parameter=", ">"), ("", "</parameter>"),
-                             base)
-        self._params(parts, head.group(1).strip(), params,
-                     whole or self._find(inner, "</function>", 0, base) >= 0)
+        params = self._pairs(inner, head.end(), XML_PARAMETER, base)
+        rest = self._pairs_read[params[-1][2]][2] - base if params else head.end()
+        done = whole or inner.startswith("</function>", _skip_space(inner, rest))
+        self._params(parts, head.group(1).strip(), params, done)
 
     def _glm_call(self, inner: str, whole: bool, parts: list[Part], base: int) -> None:
         """NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>..."""
@@ -633,15 +637,16 @@ class OutputParser:
             if whole:
                 raise _Malformed
             return
-        params = self._pairs(inner, 0, ("<arg_key>", "</arg_key>"),
-                             ("<arg_value>", "</arg_value>"), base)
+        params = self._pairs(inner, 0, GLM_PARAMETER, base)
         self._params(parts, head.group(1).strip(), params, whole)
 
-    def _pairs(self, body: str, pos: int, key: tuple[str, str], value: tuple[str, str],
+    def _pairs(self, body: str, pos: int, parameter: Parameter,
                base: int) -> list[tuple[str, str, int]]:
         """The parameters written whole in `body` (the answer from `base` on) from `pos`, as
-        (key, value, where): each key between `key`'s two markers, its value after it between
-        `value`'s (one newline trimmed at each end). Each is read once."""
+        (key, value, where): each key between `parameter`'s key markers, its value after it
+        between its value markers (one newline trimmed at each end). Each is read once."""
+        key = (parameter.key_open, parameter.key_close)
+        value = (parameter.value_open, parameter.value_close)
         pairs = []
         while True:
             known = self._pairs_read.get(base + pos)
@@ -666,6 +671,21 @@ class OutputParser:
             pairs.append((pair[0], pair[1], base + pos))
             pos = closed + len(value[1])
 
+    def _closing_after_values(self, text: str, pos: int, closing: str,
+                              parameter: Parameter) -> int:
+        """Where `closing` is first written from `pos` outside a parameter's value (a value
+        may hold `</tool_call>`, as code or a template does); -1 while it is not written or a
+        value is open."""
+        while (close := self._find(text, closing, pos)) >= 0:
+            start = self._find(text, parameter.key_open, pos)
+            if start < 0 or start > close:
+                return close
+            value_end = self._find(text, parameter.value_close, start + len(parameter.key_open))
+            if value_end < 0:
+                return -1
+            pos = value_end + len(parameter.value_close)
+        return -1
+
     def _params(self, parts: list[Part], name: str, params: list[tuple[str, str, int]],
                 whole: bool) -> None:
         """Parameters written as text, as JSON arguments: each value typed by the tool's
@@ -681,6 +701,21 @@ class OutputParser:
                     f"{json.dumps(key.strip())}: {_typed(value, schema.get(key.strip(), {}))}"
             members.append(member)
         self._call(parts, name, "{" + ", ".join(members) + ("}" if whole else ""), whole)
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """How a format writes a parameter as text: its key between two markers, then its value
+    between two more. A value may hold any text but `value_close`."""
+
+    key_open: str
+    key_close: str
+    value_open: str
+    value_close: str
+
+
+XML_PARAMETER = Parameter("<parameter=", ">", "", "</parameter>")  # Qwen3-Coder
+GLM_PARAMETER = Parameter("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
 def call_grammar_of(parser: OutputParser | None) -> Grammar | None:

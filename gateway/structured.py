@@ -82,6 +82,15 @@ def json_strings_only(grammar: str) -> str:
                      else line for line in lines)
 
 
+def gbnf_literal(text: str) -> str:
+    """`text` as a GBNF string literal: llama.cpp's grammar parser ends a literal at `"` and
+    reads `\\` as an escape, so both are escaped; control characters are written `\\xHH`, so
+    that each rule stays on its line (json_strings_only reads the grammar line by line)."""
+    return '"' + "".join("\\" + c if c in '"\\' else
+                         f"\\x{ord(c):02X}" if ord(c) < 0x20 or c == "\x7f" else c
+                         for c in text) + '"'
+
+
 def _check(schema: object, where: str, param: str, depth: int = 0) -> None:
     if isinstance(schema, bool):
         return

@@ -158,3 +158,29 @@ OUTPUTS: dict[str, tuple[str, dict[str, Scripted]]] = {
                               (("text", '{"name": "nope", "arguments": {}}', ""),)),
     }),
 }
+
+# A coding agent's Write tool, and file contents it writes: code full of `<`, and a template
+# holding the text-parameter formats' own markers (a value may hold any text but its closing).
+WRITE = {"type": "function", "function": {
+    "name": "Write", "description": "Write a file",
+    "parameters": {"type": "object", "properties": {"file_path": {"type": "string"},
+                                                    "content": {"type": "string"}},
+                   "required": ["file_path", "content"]}}}
+CODE = {
+    "c": "#include <stdio.h>\nint main(){ return a < b; }",
+    "html": "<div><p>x</p></div>",
+    "typescript": "const m: Map<string, Array<number>> = new Map();",
+    "template": "{{- '<tool_call>\\n<function=' + name + '>\\n' }}</function>\n</tool_call>",
+}
+# The formats that write each parameter as text, and a Write call in each.
+TEXT_CALLS = {
+    "qwen3-coder": "<tool_call>\n<function=Write>\n<parameter=file_path>\n{path}\n</parameter>\n"
+                   "<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>",
+    "glm": "<tool_call>Write\n<arg_key>file_path</arg_key>\n<arg_value>{path}</arg_value>\n"
+           "<arg_key>content</arg_key>\n<arg_value>{content}</arg_value>\n</tool_call>",
+}
+
+
+def write_call(family: str, content: str, path: str = "main.c") -> str:
+    """A Write call as the family's model writes it."""
+    return TEXT_CALLS[family].format(path=path, content=content)

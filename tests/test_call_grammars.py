@@ -5,15 +5,17 @@ begins."""
 
 from __future__ import annotations
 
+import json
+
 import llama_cpp as lc
 import pytest
 
 from engine.llama import Sampler
 from engine.messages import SamplerSettings
-from gateway.chat_formats import detect
+from gateway.chat_formats import OutputParser, Part, detect
 from gateway.protocol import NamedToolChoice, Tool
 from gateway.tools import Toolbox
-from tests.chat_outputs import OUTPUTS, TOOLS
+from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, write_call
 from tests.templates import template
 
 CALLS = [(family, case) for family, (_, cases) in OUTPUTS.items() if family != "json"
@@ -21,9 +23,9 @@ CALLS = [(family, case) for family, (_, cases) in OUTPUTS.items() if family != "
          if scripted.calls() and not scripted.text() and not scripted.reasoning()]
 
 
-def grammar_of(family: str, choice: object = "required"):
+def grammar_of(family: str, choice: object = "required", tools: list[dict] = TOOLS):
     text = template(OUTPUTS[family][0])
-    toolbox = Toolbox.of([Tool.model_validate(t) for t in TOOLS], choice)
+    toolbox = Toolbox.of([Tool.model_validate(t) for t in tools], choice)
     return detect(text, "tools" in text).grammar(toolbox)
 
 
@@ -108,3 +110,69 @@ def test_a_required_call_comes_after_the_reasoning_the_prompt_opened(local_model
     assert accepts(local_model, opened, output)
     assert not accepts(local_model, fmt.grammar(toolbox), output)
     assert not accepts(local_model, opened, "The weather, then.\n</think>\n\nSunny.")
+
+
+WRITE_CHOICES = {"required": "required",
+                 "named": NamedToolChoice.model_validate({"type": "function",
+                                                          "function": {"name": "Write"}})}
+
+
+def parsed_as_it_streams(parser: OutputParser, output: str) -> list[Part]:
+    """The parts of `output` parsed whole, after checking that at every prefix (as a stream
+    grows, read by one reader) they only grew, and a call once done no longer changed."""
+    before: list[Part] = []
+    reader = parser.reader()
+    for n in range(len(output) + 1):
+        parts = reader.read(output[:n], final=False)
+        assert parts == parser.parse(output[:n], final=False), n
+        for old, new in zip(before, parts, strict=False):
+            assert (old.kind, old.name) == (new.kind, new.name), n
+            assert new.text.startswith(old.text) and not (old.done and new.text != old.text), n
+        before = parts
+    return parser.parse(output, final=True)
+
+
+@pytest.mark.parametrize("choice", WRITE_CHOICES)
+@pytest.mark.parametrize("code", CODE)
+@pytest.mark.parametrize("family", TEXT_CALLS)
+def test_a_forced_call_writing_code_comes_through_the_grammar_and_the_parser_whole(
+        local_model, family, code, choice):
+    """A string parameter is any text but the format's closing of a value: C, HTML and
+    TypeScript (`<` everywhere) and even the format's own call markers pass llama.cpp's
+    grammar sampler, and the parser gives the arguments back as they were written."""
+    output = write_call(family, CODE[code])
+    grammar = grammar_of(family, WRITE_CHOICES[choice], [WRITE, *TOOLS])
+    assert accepts(local_model, grammar, output)
+    toolbox = Toolbox.of([Tool.model_validate(WRITE)], WRITE_CHOICES[choice])
+    fmt = detect(template(OUTPUTS[family][0]), True)
+    (call,) = parsed_as_it_streams(fmt.parser(toolbox, ""), output)
+    assert (call.name, call.done) == ("Write", True)
+    assert json.loads(call.text) == {"file_path": "main.c", "content": CODE[code]}
+
+
+@pytest.mark.parametrize("family", TEXT_CALLS)
+def test_a_string_parameter_ends_at_its_closing_and_nowhere_else(local_model, family):
+    grammar = grammar_of(family, "required", [WRITE])
+    closing = {"qwen3-coder": "</parameter>", "glm": "</arg_value>"}[family]
+    assert accepts(local_model, grammar, write_call(family, f"a {closing[:-1]} b"))
+    assert not accepts(local_model, grammar, write_call(family, f"a {closing} b"))
+
+
+# Families whose required call may follow reasoning the prompt opened, and what opens the
+# reasoning in their scripted outputs (the prompt writes it).
+THINKING_CALLS = {"hermes-thinking": "<think>\n", "glm": "<think>", "deepseek-r1": ""}
+
+
+@pytest.mark.parametrize("family", THINKING_CALLS)
+def test_reasoning_before_a_required_call_may_hold_code(local_model, family):
+    """The reasoning runs to its closing tag, whatever it holds before it."""
+    scripted = OUTPUTS[family][1]["thinking_then_call"]
+    reasoning = "Write main.c: #include <stdio.h>, return a < b; and <div><p>x</p></div>."
+    output = scripted.output.removeprefix(THINKING_CALLS[family]).replace(
+        scripted.reasoning(), reasoning)
+    fmt = detect(template(OUTPUTS[family][0]), True)
+    toolbox = Toolbox.of([Tool.model_validate(t) for t in TOOLS], "required")
+    assert accepts(local_model, fmt.grammar(toolbox, thinking=True), output)
+    parts = OutputParser(fmt, toolbox, thinking=True).parse(output, final=True)
+    assert [(p.kind, p.text if p.kind == "reasoning" else p.name) for p in parts] == \
+        [("reasoning", reasoning), ("call", scripted.calls()[0][0])]

@@ -15,9 +15,11 @@ import jsonschema
 import openai
 import pytest
 
+from gateway.protocol import NamedToolChoice
 from loadtest.gateway_process import GatewayProcess
-from tests.chat_outputs import OUTPUTS, TOOLS, Scripted
+from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, Scripted, write_call
 from tests.templates import template_path
+from tests.test_call_grammars import accepts, grammar_of
 from tests.test_chat_formats import family_format
 from tests.test_errors import call as post
 
@@ -305,3 +307,43 @@ def test_what_a_template_that_rewrites_earlier_turns_costs_the_cache(served):
         assert cached >= written - 64  # the whole answer, to its last full block
     else:
         assert first.usage.prompt_tokens - 64 <= cached <= first.usage.prompt_tokens
+
+
+# A forced Write call's content, and how each API forces it (any tool; the tool named).
+FORCED_WRITES = {"c": ("required", {"type": "any"}),
+                 "template": ({"type": "function", "function": {"name": "Write"}},
+                              {"type": "tool", "name": "Write"})}
+
+
+@pytest.mark.parametrize("code", FORCED_WRITES)
+@pytest.mark.parametrize("served", list(TEXT_CALLS), indirect=True)
+def test_a_forced_write_call_holding_code_comes_back_intact(served, local_model, code):
+    """A coding agent's Write call, forced, its content C code (`#include <stdio.h>`,
+    `a < b`) or a template holding the format's own call markers: the grammar the server holds
+    the call to lets it through (llama.cpp's sampler over the test model's tokens), and the
+    call the engine replays comes back whole and streamed on the OpenAI API, and streamed on
+    Anthropic's, its content intact."""
+    family, server, rules = served
+    choice, anthropic_choice = FORCED_WRITES[code]
+    question, content = f"Write the {code} file main.c for me.", CODE[code]
+    output = write_call(family, content)
+    named = NamedToolChoice.model_validate(choice) if isinstance(choice, dict) else choice
+    assert accepts(local_model, grammar_of(family, named, [WRITE]), output)
+    rules.write_text(json.dumps([{"when": question, "output": output},
+                                 *json.loads(rules.read_text())]))
+    written = [("Write", {"file_path": "main.c", "content": content})]
+    messages = [{"role": "user", "content": question}]
+    client, claude = _openai(server), _anthropic(server)
+    whole = client.chat.completions.create(model="m", messages=messages, tools=[WRITE],
+                                           tool_choice=choice)
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in whole.choices[0].message.tool_calls] == written
+    arguments = "".join(
+        call.function.arguments or "" for chunk in client.chat.completions.create(
+            model="m", messages=messages, tools=[WRITE], tool_choice=choice, stream=True)
+        for call in chunk.choices[0].delta.tool_calls or [])
+    assert json.loads(arguments) == written[0][1]
+    ask = {"model": "m", "max_tokens": 400, "messages": messages, "tool_choice": anthropic_choice,
+           "tools": [{"name": "Write", "input_schema": WRITE["function"]["parameters"]}]}
+    with claude.messages.stream(**ask) as events:  # as Claude Code asks
+        assert _anthropic_parts(events.get_final_message().content)[0] == written
