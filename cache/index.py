@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -84,9 +85,9 @@ StoredHook = Callable[[bytes, np.ndarray, int], None]
 class CacheIndex:
     def __init__(self, n_slots: int, block_size: int,
                  on_stored: StoredHook | None = None, pin_budget: int | None = None,
-                 namespace_share: float = 1.0) -> None:
+                 namespace_share: float = 1.0, clock: Callable[[], float] = time.time) -> None:
         self.pool = BlockPool(n_slots, block_size)
-        self.tree = RadixTree(self.pool, pin_budget, namespace_share=namespace_share)
+        self.tree = RadixTree(self.pool, pin_budget, clock, namespace_share)
         self.block_size = block_size
         self._lock = threading.Lock()  # calls come from every worker's reader thread
         self._ids = itertools.count(1)

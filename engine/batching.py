@@ -54,7 +54,7 @@ from engine.messages import (
 from engine.prefill_context import SEQ as PREFILL_SEQ
 from engine.prefill_context import PrefillContext
 from engine.prefix_cache import BlockIndex, PrefixCache, cacheable_layout
-from engine.scheduler import Scheduler, StepCostFit
+from engine.scheduler import Scheduler
 from engine.speculation import (
     MAX_DRAFT,
     MAX_DRAFTING_STREAMS,
@@ -148,8 +148,7 @@ class Engine:
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
         self._tiles_mix_sequences = shape.flash_attn and shape.kv_type == "f16"
-        self.scheduler = Scheduler(config.target_tpot_ms / 1000, StepCostFit(),
-                                   prompts_apart=self._tiles_mix_sequences)
+        self.scheduler = Scheduler.for_config(config, prompts_apart=self._tiles_mix_sequences)
         # A pool sequence's share of the cells: the longest prompt computed apart from them.
         self.prefill = PrefillContext(model, shape, min(self.seq_len, shape.n_ctx //
                                                         config.parallel)) \

@@ -48,6 +48,11 @@ class EngineConfig:
     # The time between a running stream's tokens that prompt chunks beside it may stretch a
     # step to (engine/scheduler.py). docs/scheduler.md has the measurement that chose it.
     target_tpot_ms: float = 1000
+    # Tests only, never a flag: the prompt tokens a step takes beside running streams, in place
+    # of what the measured step cost leaves within target_tpot_ms (and drafts weighed at the
+    # prior cost, not the measured one), so that the same steps happen on any machine, however
+    # busy. A server plans by the clock.
+    step_tokens: int | None = None
     # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
     speculation: bool = True
     # Compute a fresh prompt in a context of its own, away from the pool's other sequences'

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.config import EngineConfig
+
 # Beside any number of streams a step takes at least this many prompt tokens: no prompt starves,
 # however many streams run or however tight the target.
 MIN_PROMPT_TOKENS = 16
@@ -79,21 +81,42 @@ class StepCostFit:
         return self._cost
 
 
+class FixedStepCost:
+    """A step cost taken as given and never measured (EngineConfig.step_tokens, for tests)."""
+
+    def __init__(self, cost: StepCost = PRIOR) -> None:
+        self.cost = cost
+
+    def observe(self, n_decode: int, n_prompt: int, seconds: float) -> None:
+        pass
+
+
 @dataclass
 class Scheduler:
     """The prompt-token budget of each step, from the target time between a stream's
     tokens."""
 
     target_seconds: float
-    fit: StepCostFit
+    fit: StepCostFit | FixedStepCost
     # The engine may compute the prompt tokens in a call after the decodes' (engine/batching.py,
     # FA_TILE_ROWS), which pays the fixed part again.
     prompts_apart: bool = False
+    # A budget in tokens instead of one from the target and the fit (EngineConfig.step_tokens).
+    fixed_tokens: int | None = None
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, prompts_apart: bool) -> Scheduler:
+        if config.step_tokens is None:
+            return cls(config.target_tpot_ms / 1000, StepCostFit(), prompts_apart)
+        return cls(config.target_tpot_ms / 1000, FixedStepCost(), prompts_apart,
+                   fixed_tokens=config.step_tokens)
 
     def prompt_budget(self, n_decode: int, capacity: int) -> int:
         """Prompt tokens a step may take beside n_decode decodes, within `capacity` tokens."""
         if n_decode == 0:  # nobody waits for this step: the whole batch
             return capacity
+        if self.fixed_tokens is not None:
+            return min(capacity - n_decode, self.fixed_tokens)
         cost = self.fit.cost
         target = self.target_seconds - (cost.fixed if self.prompts_apart else 0.0)
         within = cost.prompt_tokens_within(target, n_decode)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def kv_fingerprint(model_path: str, layout: KVLayout) -> str:
 
 
 class SharedPool:
+    # What pins are set and expire by: the wall clock. Only the tests' own entry point
+    # (tests/clocked_gateway.py) puts a clock of theirs here, which they move themselves; no
+    # flag or variable of a server reaches it.
+    clock: Callable[[], float] = staticmethod(time.time)
+
     def __init__(self, config: WorkersConfig, ready: Ready) -> None:
         self.config = config
         self.fingerprint = kv_fingerprint(config.model_path, ready.layout)
@@ -67,7 +73,7 @@ class SharedPool:
             header.n_slots, header.block_size,
             on_stored=self._to_tier if self.tier else None,
             pin_budget=None if budget is None else (budget << 20) // header.slot_bytes,
-            namespace_share=config.tenant_cache_share)
+            namespace_share=config.tenant_cache_share, clock=self.clock)
         if config.cache_dir is not None:  # before any request can use the pool
             persistence.load(config.cache_dir, self.index, self.arena)
 
@@ -106,7 +112,7 @@ class SharedPool:
         """The cached blocks of the prompt's first `n_tokens` outlive LRU for `seconds`
         (OpenAI's prompt_cache_retention "24h", Anthropic's cache_control breakpoints)."""
         self.index.pin(np.asarray(request.prompt_tokens[:n_tokens], dtype=np.int32),
-                       request.namespace, time.time() + seconds)
+                       request.namespace, self.clock() + seconds)
 
     def fetch_from_tier(self, request: GenerationRequest) -> int:
         """On a local miss, adopts the prompt's following blocks from Redis into the pool (one

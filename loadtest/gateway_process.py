@@ -71,7 +71,7 @@ class GatewayProcess(ServerProcess):
                  env: dict[str, str] | None = None, module: str = "gateway") -> None:
         """`source`: the checkout whose gateway runs (another one for before/after figures);
         `env`: variables to add to this process's environment; `module`: the entry point
-        (the tests' own, tests.replay_gateway, for the replay hook)."""
+        (the tests' own, tests.replay_gateway or tests.clocked_gateway, for their hooks)."""
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None

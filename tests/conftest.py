@@ -14,6 +14,7 @@ import redis
 from engine.llama import Model
 from gateway.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess, free_port
+from tests.clocked_gateway import TestClock
 
 # The default mode: F16 KV in one unified pool of cells, live prefixes shared between sequences.
 DEFAULT_ARGS = ("--parallel", "8", "--ctx-size", "8192")
@@ -110,6 +111,14 @@ def local_model(model_path: Path):
     model = Model(str(model_path))
     yield model
     model.close()
+
+
+@pytest.fixture
+def pin_clock(tmp_path: Path) -> TestClock:
+    """The clock of a gateway's pins, for gateways started with `pin_clock.gateway(...)`: it
+    stands still until the test moves it, so a pin expires where the test says, never while a
+    busy machine is still on the requests before."""
+    return TestClock(tmp_path / "pin-clock")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,3 +83,38 @@ def recorded(ctx) -> list[collections.Counter]:
 
     ctx.decode = recording
     return calls
+
+
+class Hold:
+    """Holds the engine thread right after the first call of `ctx.decode` at which
+    `when(calls, rows)` (both counted from here, that call's included) is true, until
+    `release()`. What the test does meanwhile, such as submitting a request, lands at that
+    same step on any machine, however long the machine took over the steps before."""
+
+    def __init__(self, ctx, when: Callable[[int, int], bool]) -> None:
+        self.reached, self._released = threading.Event(), threading.Event()
+        counts = [0, 0]
+        decode = ctx.decode
+
+        def holding(batch):  # on the engine thread
+            decode(batch)
+            counts[0] += 1
+            counts[1] += len(batch)
+            if not self.reached.is_set() and when(*counts):
+                self.reached.set()
+                assert self._released.wait(60), "the test never released the engine"
+
+        ctx.decode = holding
+
+    async def wait(self) -> None:
+        while not self.reached.is_set():
+            await asyncio.sleep(0.005)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def streaming(local: LocalEngine) -> Hold:
+    """Holds the engine once a stream alone in the pool was computed in three calls (its
+    prompt, two decodes): a request submitted then joins it at the same step on any machine."""
+    return Hold(local.engine.ctx, lambda calls, _rows: calls == 3)

@@ -5,8 +5,6 @@ header never splits two sessions' prefixes."""
 
 from __future__ import annotations
 
-import time
-
 import anthropic
 import pytest
 
@@ -23,15 +21,17 @@ def story(topic: str) -> str:
 
 
 @pytest.fixture
-def tiny_pool(model_path, tmp_path):
-    """4 blocks of 64 tokens in the pool, at most 2 pinned, pins of at most 6 s; plain LRU
-    across tenants (--tenant-cache-share 1), so that only pins keep a prefix from a flood."""
+def tiny_pool(model_path, tmp_path, pin_clock):
+    """4 blocks of 64 tokens in the pool, at most 2 pinned, pins of at most 6 s of `pin_clock`;
+    plain LRU across tenants (--tenant-cache-share 1), so that only pins keep a prefix from a
+    flood."""
     keys = tmp_path / "keys"
     keys.write_text("key-a tenant-a\nkey-b tenant-b\n")
-    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
-                            "6", "--pin-budget-mb", "3", "--pin-hours", str(PIN_SECONDS / 3600),
-                            "--tenant-cache-share", "1", "--temperature", "0",
-                            "--model-alias", "claude-*", "--api-keys-file", str(keys))
+    server = pin_clock.gateway(model_path, "--parallel", "2", "--ctx-size", "2048",
+                               "--cache-mb", "6", "--pin-budget-mb", "3",
+                               "--pin-hours", str(PIN_SECONDS / 3600),
+                               "--tenant-cache-share", "1", "--temperature", "0",
+                               "--model-alias", "claude-*", "--api-keys-file", str(keys))
     yield server
     server.stop()
 
@@ -65,13 +65,13 @@ def flood(server: GatewayProcess, send) -> None:
             metrics["prefixgate_prefix_cache_pin_budget_blocks"] == 2
 
 
-def test_a_pinned_prefix_survives_a_flood_then_falls_back_to_lru(tiny_pool):
+def test_a_pinned_prefix_survives_a_flood_then_falls_back_to_lru(tiny_pool, pin_clock):
     ask(tiny_pool, story("The lighthouse"), marked=True)
     ask(tiny_pool, story("The ferry"), marked=False)
     flood(tiny_pool, lambda system: ask(tiny_pool, system, marked=False))
     assert ask(tiny_pool, story("The ferry"), marked=False).cache_read_input_tokens < 16
     assert ask(tiny_pool, story("The lighthouse"), marked=False).cache_read_input_tokens >= 64
-    time.sleep(PIN_SECONDS + 0.5)  # the pin's TTL is over: an ordinary LRU prefix again
+    pin_clock.advance(PIN_SECONDS + 0.5)  # the pin's TTL is over: an ordinary LRU prefix again
     for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
         ask(tiny_pool, story(topic), marked=False)
     assert ask(tiny_pool, story("The lighthouse"), marked=False).cache_read_input_tokens < 16

@@ -5,7 +5,6 @@ budget; the admin API lists, drops and counts, and only with its key."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -47,16 +46,17 @@ def story(topic: str) -> str:
 
 
 @pytest.fixture
-def tiny_pool(model_path):
-    """4 blocks in the pool, at most 2 of them pinned, pins that last 6 s."""
-    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
-                            "6", "--pin-budget-mb", "3", "--pin-hours", str(6 / 3600),
-                            "--admin-key", ADMIN)
+def tiny_pool(model_path, pin_clock):
+    """4 blocks in the pool, at most 2 of them pinned, pins that last 6 s of `pin_clock`."""
+    server = pin_clock.gateway(model_path, "--parallel", "2", "--ctx-size", "2048",
+                               "--cache-mb", "6", "--pin-budget-mb", "3",
+                               "--pin-hours", str(6 / 3600), "--admin-key", ADMIN)
     yield server
     server.stop()
 
 
-def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, model_name):
+def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, pin_clock,
+                                                                 model_name):
     client = openai_client(tiny_pool)
 
     def ask(prompt: str, retention: str = "in_memory") -> int:
@@ -76,7 +76,7 @@ def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, model
     assert ask(plain) < 8  # evicted
     assert ask(pinned) > 60  # survived, and its hit counts as pinned
     assert tiny_pool.metrics()["prefixgate_prefix_cache_pinned_hits_total"] > 60
-    time.sleep(6.5)  # the pin expires: the prefix is evictable again
+    pin_clock.advance(6.5)  # the pin expires: the prefix is evictable again
     for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):
         ask(story(topic))
     assert ask(pinned) < 8
@@ -106,7 +106,8 @@ def test_a_request_refused_at_capacity_pins_nothing(model_path, model_name):
         server.stop()
 
 
-def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, gateway, model_name):
+def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, pin_clock, gateway,
+                                                           model_name):
     assert admin(gateway, "GET", "/v1/cache/stats")[0] == 404  # no --admin-key: no admin API
     assert admin(tiny_pool, "GET", "/v1/cache/stats", key=None)[0] == 401
     assert admin(tiny_pool, "GET", "/v1/cache/stats", key="wrong")[0] == 401
@@ -117,7 +118,7 @@ def test_the_admin_api_lists_drops_and_counts_with_its_key(tiny_pool, gateway, m
     assert status == 200 and listing["data"]
     row = listing["data"][0]
     assert row["tokens"] > 60 and row["blocks"] == 2 and row["bytes"] > 0
-    assert row["pinned_until"] > time.time() and len(row["namespace"]) == 16
+    assert row["pinned_until"] > pin_clock.now() and len(row["namespace"]) == 16
     assert "preview" not in row  # prompts are shown only with --log-prompts
     status, stats = admin(tiny_pool, "GET", "/v1/cache/stats")
     metrics = tiny_pool.metrics()

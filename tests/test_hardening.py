@@ -170,12 +170,15 @@ def timeout_gateway(model_path):
 
 
 def test_a_request_past_its_timeout_ends_and_frees_everything(timeout_gateway, model_name):
-    # A prompt of ~1,900 tokens: computing it takes longer than the 3 s allowed.
-    long_prompt = dict(model=model_name, prompt="word " * 1900, max_tokens=8, temperature=0)
+    # A prompt of ~1,900 tokens and 4,000 tokens to write after it: longer than the 3 s allowed
+    # on any machine (~1,900 took 8 s here; a machine fast enough for them is not for 4,000
+    # decode steps).
+    long_prompt = dict(model=model_name, prompt="word " * 1900, max_tokens=4000, temperature=0)
     with pytest.raises(openai.APIStatusError) as raised:
-        openai_client(timeout_gateway).completions.create(**long_prompt)
+        openai_client(timeout_gateway).completions.create(**long_prompt,
+                                                          extra_body={"ignore_eos": True})
     assert raised.value.status_code == 504 and raised.value.body["code"] == "timeout"
-    events = stream_events(timeout_gateway, {**long_prompt, "stream": True})
+    events = stream_events(timeout_gateway, {**long_prompt, "ignore_eos": True, "stream": True})
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
     timeout_gateway.settled()
 

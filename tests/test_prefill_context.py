@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 
 from engine.config import CacheConfig, EngineConfig
 from engine.messages import GenerationRequest, SamplerSettings
-from tests.local_engine import LocalEngine, recorded
+from gateway.handles import GenerationHandle
+from tests.local_engine import Hold, LocalEngine, recorded, streaming
 
 # No cache: the same prompt is computed each time; no drafts: a pool call's rows are decodes.
-# A small target: a prompt of 126 tokens takes several steps beside a stream.
-CONFIG = EngineConfig(parallel=4, ctx_size=2048, target_tpot_ms=150, speculation=False,
+# Steps of 32 prompt tokens beside a stream, on any machine: a prompt of 126 tokens takes four.
+CONFIG = EngineConfig(parallel=4, ctx_size=2048, step_tokens=32, speculation=False,
                       cache=CacheConfig(enabled=False))
 
 
@@ -25,42 +25,21 @@ def greedy(model, text: str, max_tokens: int) -> GenerationRequest:
                              sampler=SamplerSettings(temperature=0.0))
 
 
-async def generated(local: LocalEngine, request: GenerationRequest,
-                    started: asyncio.Event | None = None) -> tuple[int, ...]:
-    """The request's tokens; `started` is set once its third output arrived."""
-    outputs = []
-    async for output in local.submit(request).outputs():
-        assert output.error is None, output.error
-        outputs.append(output)
-        if started and len(outputs) == 3:
-            started.set()
+async def generated(local: LocalEngine, request: GenerationRequest) -> tuple[int, ...]:
+    return await tokens(local.submit(request))
+
+
+async def tokens(handle: GenerationHandle) -> tuple[int, ...]:
+    """The request's tokens, once it ended."""
+    outputs = [output async for output in handle.outputs()]
+    assert all(output.error is None for output in outputs), outputs[-1].error
     return outputs[-1].generated
 
 
-class Pause:
-    """Holds the engine thread after the prefill context's first call that brings the rows it
-    computed into `rows`, until `resume()`; `reached` is set then."""
-
-    def __init__(self, local: LocalEngine, rows: range) -> None:
-        self.reached, self._resumed = threading.Event(), threading.Event()
-        computed = [0]
-        decode = local.engine.prefill.ctx.decode
-
-        def holding(batch):  # on the engine thread
-            decode(batch)
-            computed[0] += len(batch)
-            if computed[0] in rows and not self.reached.is_set():
-                self.reached.set()
-                assert self._resumed.wait(30)
-
-        local.engine.prefill.ctx.decode = holding
-
-    async def wait(self) -> None:
-        while not self.reached.is_set():
-            await asyncio.sleep(0.005)
-
-    def resume(self) -> None:
-        self._resumed.set()
+def computed_apart(local: LocalEngine, rows: range) -> Hold:
+    """Holds the engine after the prefill context's first call that brings the rows it
+    computed into `rows`."""
+    return Hold(local.engine.prefill.ctx, lambda _calls, computed: computed in rows)
 
 
 def test_a_fresh_prompt_is_computed_apart_and_changes_no_token(local_model):
@@ -73,10 +52,12 @@ def test_a_fresh_prompt_is_computed_apart_and_changes_no_token(local_model):
     prompt = greedy(local_model, "Tell me about rivers. " * 25, 8)
 
     async def beside_a_stream(local: LocalEngine):
-        started = asyncio.Event()
-        stream_task = asyncio.create_task(generated(local, stream, started))
-        await started.wait()
-        return await asyncio.gather(stream_task, generated(local, prompt))
+        hold = streaming(local)
+        stream_task = asyncio.create_task(generated(local, stream))
+        await hold.wait()
+        prompt_task = asyncio.create_task(tokens(local.submit(prompt)))
+        hold.release()
+        return await asyncio.gather(stream_task, prompt_task)
 
     in_pool = LocalEngine.start(local_model, dataclasses.replace(CONFIG, prefill_context=False))
     try:
@@ -117,20 +98,21 @@ def test_a_request_sharing_a_prefix_computed_apart_waits_for_it_in_the_pool(loca
         " Now name three seas.", add_special=False, parse_special=False)
     b = GenerationRequest(b_tokens, max_tokens=8, ignore_eos=True,
                           sampler=SamplerSettings(temperature=0.0))
-    # A small target: A's prompt takes several steps beside the stream.
+    # Steps of 64 prompt tokens: A's prompt takes several beside the stream, the fourth ending
+    # past B's prefix.
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=4096,
-                                                        target_tpot_ms=150))
-    past_b_prefix = Pause(local, range(220, len(a.prompt_tokens)))  # A still apart
+                                                        step_tokens=64))
+    past_b_prefix = computed_apart(local, range(220, len(a.prompt_tokens)))  # A still apart
 
     async def run():
-        started = asyncio.Event()
-        stream_task = asyncio.create_task(generated(local, stream, started))
-        await started.wait()
-        a_task = asyncio.create_task(generated(local, a))
+        hold = streaming(local)
+        stream_task = asyncio.create_task(generated(local, stream))
+        await hold.wait()
+        a_task = asyncio.create_task(tokens(local.submit(a)))
+        hold.release()
         await past_b_prefix.wait()
-        b_task = asyncio.create_task(generated(local, b))
-        await asyncio.sleep(0.05)  # b is in the engine's inbox
-        past_b_prefix.resume()
+        b_task = asyncio.create_task(tokens(local.submit(b)))  # in the engine's inbox
+        past_b_prefix.release()
         return await asyncio.gather(stream_task, a_task, b_task)
 
     try:
@@ -152,17 +134,18 @@ def test_a_request_cancelled_while_computed_apart_frees_the_prefill_context(loca
     stream = greedy(local_model, "Count from one to fifty:", 40)
     prompt = greedy(local_model, "Tell me about rivers. " * 60, 8)
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
-                                                        target_tpot_ms=150))
-    first_chunk = Pause(local, range(1, len(prompt.prompt_tokens)))
+                                                        step_tokens=32))
+    first_chunk = computed_apart(local, range(1, len(prompt.prompt_tokens)))
 
     async def run():
-        started = asyncio.Event()
-        stream_task = asyncio.create_task(generated(local, stream, started))
-        await started.wait()
+        hold = streaming(local)
+        stream_task = asyncio.create_task(generated(local, stream))
+        await hold.wait()
         handle = local.submit(prompt)
+        hold.release()
         await first_chunk.wait()
         handle.cancel()
-        first_chunk.resume()
+        first_chunk.release()
         await stream_task
         # The context takes the next fresh prompt.
         return await generated(local, prompt)

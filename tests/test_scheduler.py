@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.llama import KVCacheFull
 from engine.messages import GenerationRequest, SamplerSettings
 from engine.scheduler import MIN_PROMPT_TOKENS, PRIOR, Scheduler, StepCost, StepCostFit
-from tests.local_engine import LocalEngine, recorded
+from tests.local_engine import LocalEngine, recorded, streaming
 
 TRUE_COST = StepCost(fixed=0.010, per_decode=0.003, per_prompt=0.002)
 
@@ -118,13 +118,13 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
     flash-attention tiles, which then skip no other sequence's cells: the engine computes them
     in two calls. The stream's row then takes the path it takes alone, so its greedy tokens
     are the same whether or not a prompt is computed beside it."""
-    # A target that leaves room for chunks of a few hundred tokens beside the stream; the
-    # prompt among the pool's cells, as one with a cached prefix is computed. All the cells
-    # stay below 256, so that llama.cpp attends over a span of 256 in both runs: from 512
-    # cells on, it splits a lone row's cells between its threads and adds them up in another
-    # order, which can change a greedy token where two are nearly tied.
+    # Steps of up to 256 prompt tokens beside the stream, whatever the machine's speed: the
+    # prompt goes in one chunk; among the pool's cells, as one with a cached prefix is
+    # computed. All the cells stay below 256, so that llama.cpp attends over a span of 256 in
+    # both runs: from 512 cells on, it splits a lone row's cells between its threads and adds
+    # them up in another order, which can change a greedy token where two are nearly tied.
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
-                                                        target_tpot_ms=2000,
+                                                        step_tokens=256,
                                                         prefill_context=False,
                                                         cache=CacheConfig(enabled=False)))
     calls = recorded(local.engine.ctx)
@@ -137,19 +137,19 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
                                max_tokens=2, ignore_eos=True,
                                sampler=SamplerSettings(temperature=0.0))
 
-    async def generated(request, prompt_arrives: asyncio.Event | None = None):
-        outputs = []
+    async def generated(request):
         async for output in local.submit(request).outputs():
-            outputs.append(output)
-            if prompt_arrives and len(outputs) == 3:
-                prompt_arrives.set()
-        return outputs[-1].generated
+            last = output
+        return last.generated
 
     async def with_a_prompt_beside():
-        arrives = asyncio.Event()
-        stream_task = asyncio.create_task(generated(stream, arrives))
-        await arrives.wait()
-        await generated(beside)
+        hold = streaming(local)
+        stream_task = asyncio.create_task(generated(stream))
+        await hold.wait()
+        beside_task = asyncio.create_task(generated(beside))
+        await asyncio.sleep(0)  # it runs up to its first wait: submitted
+        hold.release()
+        await beside_task
         return await stream_task
 
     try:
@@ -172,7 +172,7 @@ def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothin
     sampled) finds no KV cells, the newest request is preempted and resumes later: both
     requests finish whole, the stream's tokens as alone, and no cell or block stays held."""
     local = LocalEngine.start(local_model, EngineConfig(parallel=4, ctx_size=2048,
-                                                        target_tpot_ms=2000,
+                                                        step_tokens=256,
                                                         prefill_context=False))
     decode = local.engine.ctx.decode
     refused, previous = [], collections.Counter()
@@ -198,19 +198,19 @@ def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothin
                                max_tokens=4, ignore_eos=True,
                                sampler=SamplerSettings(temperature=0.0))
 
-    async def final(request, started: asyncio.Event | None = None):
-        outputs = []
+    async def final(request):
         async for output in local.submit(request).outputs():
-            outputs.append(output)
-            if started and len(outputs) == 3:
-                started.set()
-        return outputs[-1]
+            last = output
+        return last
 
     async def with_a_prompt_beside():
-        started = asyncio.Event()
-        stream_task = asyncio.create_task(final(stream, started))
-        await started.wait()
-        return await asyncio.gather(stream_task, final(beside))
+        hold = streaming(local)
+        stream_task = asyncio.create_task(final(stream))
+        await hold.wait()
+        beside_task = asyncio.create_task(final(beside))
+        await asyncio.sleep(0)  # it runs up to its first wait: submitted
+        hold.release()
+        return await asyncio.gather(stream_task, beside_task)
 
     try:
         alone = asyncio.run(final(stream)).generated

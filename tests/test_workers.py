@@ -174,7 +174,12 @@ def _drain(server: GatewayProcess, arena: Path, model_name: str) -> None:
     reader.start()
     assert started.wait(60)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    # Draining from its log line on (it refuses new requests from then), however long a busy
+    # machine takes to get there.
+    deadline = time.monotonic() + 60
+    while "stopping:" not in server.log_path.read_text():
+        assert time.monotonic() < deadline, "the gateway never began to drain"
+        time.sleep(0.05)
     status, body = _post(server, {"model": model_name, "prompt": "Too late.", "max_tokens": 2})
     assert status == 503 and body["error"]["code"] == "engine_unavailable"
     reader.join(120)
