@@ -145,6 +145,12 @@ class Engine:
             log.warning("requests of up to %d tokens, past the model's training context of %d: "
                         "quality may drop beyond it", self.seq_len, model.n_ctx_train)
         self.ctx = Context(model, shape)
+        if per_sequence > model.n_ctx_train >= self.seq_len:
+            log.info("llama.cpp's n_ctx_seq (%d) > n_ctx_train (%d) is no overflow here: "
+                     "n_ctx_seq is the KV cells one sequence may reach (with unified KV, the "
+                     "whole pool all sequences share), and a request is capped at %d tokens, "
+                     "the model's training context (an explicit --ctx-size lifts the cap)",
+                     per_sequence, model.n_ctx_train, self.seq_len)
         self.cells = CellLedger(shape.n_ctx)
         self._batch = Batch(config.batch_tokens)
         self._tiles_mix_sequences = shape.flash_attn and shape.kv_type == "f16"

@@ -22,11 +22,20 @@ log = logging.getLogger(__name__)
 _LLAMA_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 
 
+# llama.cpp warns of a "possible training context overflow" whenever a context's n_ctx_seq
+# passes the model's training context, and with unified KV n_ctx_seq is the whole pool of cells,
+# whatever one request may hold. The engine says in its own line whether a request can go past
+# the training context (engine/batching.py, a warning then), so this one is information.
+_RESTATED_WARNINGS = (b"possible training context overflow",)
+
+
 @lc.llama_log_callback
 def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp is chatty at INFO level; pass on only warnings and errors.
     if level in _LLAMA_LOG_LEVELS:
-        log.log(_LLAMA_LOG_LEVELS[level], "llama.cpp: %s", text.decode(errors="replace").rstrip())
+        severity = logging.INFO if any(note in text for note in _RESTATED_WARNINGS) \
+            else _LLAMA_LOG_LEVELS[level]
+        log.log(severity, "llama.cpp: %s", text.decode(errors="replace").rstrip())
 
 
 # A module-level reference keeps the callback alive: llama.cpp crashes if it is garbage-collected.
