@@ -13,10 +13,12 @@ namespace, the path's tokens (int32) and the slot's bytes; last, the xxh3-128 of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
+import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -47,15 +49,47 @@ def private_file(directory: Path, name: str) -> Iterator[BinaryIO]:
     """`directory/name` replaced whole by what is written, readable by its owner only (every
     tenant's tokens are in such files, as in the arena): written under a name nobody can guess,
     created here (O_EXCL) and never through a planted symlink, fsync'd, then renamed over it,
-    so a crash mid-write leaves the previous file whole."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    so a crash mid-write leaves the previous file whole. A write that fails (a full disk, an
+    error while the caller writes) removes what it wrote and leaves the previous file as it
+    was."""
+    private_directory(directory)
     partial = directory / f".{name}.{secrets.token_hex(8)}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with open(fd, "wb") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, directory / name)
+    try:
+        with open(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+    # The rename itself outlives a crash once the directory is on disk.
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def private_directory(directory: Path) -> None:
+    """Makes `directory` (and its missing parents) if needed, open to its owner only. One that
+    exists and is ours is tightened to 0700: a `--cache-dir` made by hand under a umask of 022
+    lets anyone list it, and one writable by others lets them swap in a snapshot of their own,
+    which every tenant would then be answered from. One that is not ours is left as it is, with
+    a warning."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return
+    if st.st_uid == os.geteuid():
+        os.chmod(directory, 0o700)
+        log.info("%s was open to others (mode %o): made it owner-only (700)", directory, mode)
+    else:
+        log.warning("%s is open to others (mode %o) and not ours to make owner-only: whoever "
+                    "may write to it may replace what is saved there", directory, mode)
 
 
 def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:

@@ -3,11 +3,13 @@ verify is refused whole."""
 
 from __future__ import annotations
 
+import errno
 import shutil
 import stat
 import threading
 
 import numpy as np
+import pytest
 
 from cache import persistence
 from cache.arena import ArenaHeader, BlockArena, default_arena_path
@@ -138,3 +140,34 @@ def test_the_snapshot_holds_the_bytes_of_the_blocks_it_lists(tmp_path):
         arena.close()
         if fresh is not None:
             fresh.close()
+
+
+@pytest.mark.parametrize("fails_in", ["the caller's write", "fsync"])
+def test_a_failed_write_leaves_the_previous_file_whole_and_nothing_beside_it(
+        tmp_path, monkeypatch, fails_in):
+    with persistence.private_file(tmp_path, "snapshot") as f:
+        f.write(b"the previous snapshot")
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_room(_fd: int) -> None:
+        raise full
+
+    if fails_in == "fsync":
+        monkeypatch.setattr(persistence.os, "fsync", no_room)
+    with pytest.raises(OSError, match="No space"), \
+            persistence.private_file(tmp_path, "snapshot") as f:
+        f.write(b"half of the next")
+        if fails_in == "the caller's write":
+            raise full
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot"]
+    assert (tmp_path / "snapshot").read_bytes() == b"the previous snapshot"
+
+
+def test_an_existing_cache_dir_open_to_others_is_made_owner_only(tmp_path):
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    directory.chmod(0o755)  # as `mkdir` under the usual umask leaves it
+    with persistence.private_file(directory, "snapshot") as f:
+        f.write(b"tokens")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / "snapshot").stat().st_mode) == 0o600
