@@ -18,16 +18,17 @@ closing of the reasoning (`</think>`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from llama_cpp.llama_grammar import SchemaConverter
 
 from gateway.errors import invalid
 from gateway.structured import (
     MAX_GRAMMAR_BYTES,
     Grammar,
+    SchemaConverter,
     check_schema,
+    converting,
     gbnf_literal,
     json_strings_only,
 )
@@ -37,26 +38,39 @@ class _Rules:
     """The arguments' rules of every tool, from one converter."""
 
     def __init__(self, functions: dict[str, dict], after: str | None) -> None:
+        # Every tool offered is checked as response_format's schema is, whatever the format
+        # writes of it (all of it as JSON, or each parameter as text): before anything streams.
+        for name, function in functions.items():
+            check_schema(function["parameters"], "tools", f"tools[{name}].parameters")
         self.functions = functions
         self.after = after
-        self.converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
-                                         raw_pattern=False)
+        self.converter = SchemaConverter()
         self.names = {name: f"args-{i}" for i, name in enumerate(functions)}
+        self.resolved: dict[str, dict] = {}
         self.texts: dict[str, str] = {}  # a closing -> the rules of text without it
+
+    def schema(self, name: str) -> dict:
+        """A tool's parameters, their $refs resolved by the converter: on a copy, as it
+        rewrites them in place (the template renders the tool's own)."""
+        if name not in self.resolved:
+            with converting("tools"):
+                self.resolved[name] = self.converter.resolve_refs(
+                    copy.deepcopy(self.functions[name]["parameters"]), name)
+        return self.resolved[name]
 
     def arguments(self, name: str) -> str:
         """The rule of a tool's arguments, as JSON."""
-        schema = self.functions[name]["parameters"]
-        check_schema(schema, "tools", f"tools[{name}].parameters")
-        schema = self.converter.resolve_refs(schema, name)
-        return self.converter.visit(schema, self.names[name])
+        schema = self.schema(name)
+        with converting("tools"):
+            return self.converter.visit(schema, self.names[name])
 
     def parameter(self, name: str, key: str, schema: dict, closing: str) -> str:
         """The rule of one parameter written as text: a string is any text without `closing`
         (what ends the value)."""
         if schema.get("type") == "string" and not ({"enum", "const", "pattern"} & set(schema)):
             return self.text_without(closing)
-        return self.converter.visit(schema, f"{self.names[name]}-{key}")
+        with converting("tools"):
+            return self.converter.visit(schema, f"{self.names[name]}-{key}")
 
     def text_without(self, closing: str) -> str:
         """The rule of any text that does not hold `closing`; its rules are written once,
@@ -204,10 +218,14 @@ def call_grammar(format_name: str, functions: dict[str, dict], forced: str | Non
 def _parameters(rules: _Rules, name: str, text: TextCalls) -> str:
     """A tool's parameters written as text, in its schema's order, the required ones always,
     the others optional."""
-    schema = rules.functions[name]["parameters"]
+    schema = rules.schema(name)
     required = set(schema.get("required", []))
     parts = []
     for key, sub in (schema.get("properties") or {}).items():
+        if "<" in key or ">" in key or key != key.strip():
+            raise invalid(f"tools[{name}].parameters.properties: the name {key!r} cannot be "
+                          "written in this model's calls, which put names between `<` and "
+                          "`>` markers and read them trimmed", "tools")
         value = rules.parameter(name, key, sub if isinstance(sub, dict) else {}, text.closing)
         part = (f"{gbnf_literal(text.before.format(key=key))} {value} "
                 f"{gbnf_literal(text.after)}")

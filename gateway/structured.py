@@ -1,18 +1,23 @@
 """`response_format` -> a GBNF grammar that llama.cpp's grammar sampler enforces token by token.
 
-JSON schemas go through llama-cpp-python's own converter (`llama_grammar.json_schema_to_gbnf`).
-It ignores what it cannot express (numeric bounds, `not`, `uniqueItems`, ...), which would let
-through output the schema forbids, so every keyword is checked first against what it supports:
-anything else is a 400 that names the keyword, never a grammar that silently enforces less.
+JSON schemas go through llama-cpp-python's own converter (`llama_grammar.SchemaConverter`, its
+literals escaped here). It ignores what it cannot express (numeric bounds, `not`,
+`uniqueItems`, ...), which would let through output the schema forbids, so every keyword is
+checked first against what it supports: anything else is a 400 that names the keyword, never a
+grammar that silently enforces less. Tools' parameters are checked the same way, in every call
+format (gateway/call_grammars.py).
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp import llama_grammar
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from gateway.errors import invalid
 
@@ -58,14 +63,38 @@ def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str 
         raise invalid("response_format json_schema needs a `schema` object", param)
     schema = json_schema["schema"]
     _check(schema, "schema", param)
-    try:
-        grammar = json_strings_only(json_schema_to_gbnf(json.dumps(schema)))
-    except (ValueError, KeyError, AssertionError, RecursionError) as exc:
-        raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}", param) from None
+    converter = SchemaConverter()
+    with converting(param):
+        converter.visit(converter.resolve_refs(copy.deepcopy(schema), "stdin"), "")
+    grammar = json_strings_only(converter.format_grammar())
     if len(grammar) > MAX_GRAMMAR_BYTES:
         raise invalid(f"the JSON schema makes a grammar of {len(grammar)} bytes, more than "
                       f"{MAX_GRAMMAR_BYTES}", param)
     return grammar
+
+
+class SchemaConverter(llama_grammar.SchemaConverter):
+    """llama-cpp-python's converter, its literals escaped whole: its own escapes `"` and line
+    breaks but not `\\`, so a property name, enum or const holding a backslash or a quote made
+    a grammar llama.cpp could not parse (an error in the worker, after a stream's 200) or one
+    that wrote another string."""
+
+    def __init__(self) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+    def _format_literal(self, literal: str) -> str:
+        return gbnf_literal(literal)
+
+
+@contextmanager
+def converting(param: str) -> Iterator[None]:
+    """What the converter cannot read is a 400 naming `param`, not a 500: it raises on what it
+    does not know (an assertion for a schema of annotations only)."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
+        raise invalid(f"the JSON schema cannot be turned into a grammar: {exc}",
+                      param) from None
 
 
 # llama-cpp-python's converter lets any character but `"` and `\` into a string; JSON (and
@@ -119,8 +148,11 @@ def _check(schema: object, where: str, param: str, depth: int = 0) -> None:
                           "unsupported")
         elif key == "type":
             types = value if isinstance(value, list) else [value]
-            if not all(t in _TYPES for t in types):
+            if not all(isinstance(t, str) and t in _TYPES for t in types):
                 raise invalid(f"{where}.type {value!r} is not a JSON schema type", param)
+        elif key == "required" and not (isinstance(value, list) and
+                                        all(isinstance(name, str) for name in value)):
+            raise invalid(f"{where}.required must be a list of property names", param)
 
 
 def _check_repetition(key: str, value: object, where: str, param: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 from engine.llama import Sampler
 from engine.messages import SamplerSettings
 from gateway.chat_formats import OutputParser, Part, detect
+from gateway.errors import APIError
 from gateway.protocol import NamedToolChoice, Tool
 from gateway.tools import Toolbox
 from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, write_call
@@ -176,3 +177,42 @@ def test_reasoning_before_a_required_call_may_hold_code(local_model, family):
     parts = OutputParser(fmt, toolbox, thinking=True).parse(output, final=True)
     assert [(p.kind, p.text if p.kind == "reasoning" else p.name) for p in parts] == \
         [("reasoning", reasoning), ("call", scripted.calls()[0][0])]
+
+
+# Property names JSON allows that a grammar's literals must escape.
+ODD_NAMES = ('say "hi"', "back\\slash", "two\nlines")
+ODD = {"type": "function", "function": {"name": "odd", "parameters": {
+    "type": "object", "properties": {name: {"type": "string"} for name in ODD_NAMES},
+    "required": list(ODD_NAMES)}}}
+ODD_CALLS = {
+    "hermes": '<tool_call>\n{{"name": "odd", "arguments": {arguments}}}\n</tool_call>',
+    "qwen3-coder": "<tool_call>\n<function=odd>\n{parameters}</function>\n</tool_call>",
+    "glm": "<tool_call>odd\n{parameters}</tool_call>",
+}
+ODD_PARAMETERS = {"qwen3-coder": "<parameter={key}>\n{value}\n</parameter>\n",
+                  "glm": "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"}
+
+
+@pytest.mark.parametrize("family", ODD_CALLS)
+def test_property_names_holding_quotes_backslashes_and_line_breaks_are_escaped(local_model,
+                                                                                family):
+    """Such a name is written into the grammar escaped (it broke the grammar llama.cpp
+    parses, in the worker), and a call using it comes back under its own name."""
+    arguments = {name: f"value of {name}" for name in ODD_NAMES}
+    output = ODD_CALLS[family].format(arguments=json.dumps(arguments), parameters="".join(
+        ODD_PARAMETERS.get(family, "").format(key=k, value=v) for k, v in arguments.items()))
+    assert accepts(local_model, grammar_of(family, "required", [ODD]), output)
+    fmt = detect(template(OUTPUTS[family][0]), True)
+    (call,) = fmt.parser(Toolbox.of([Tool.model_validate(ODD)], "required"), "").parse(
+        output, final=True)
+    assert (call.name, json.loads(call.text)) == ("odd", arguments)
+
+
+@pytest.mark.parametrize("name", ["<path>", "a>b", " path"])
+@pytest.mark.parametrize("family", TEXT_CALLS)
+def test_a_name_a_text_parameter_format_cannot_write_is_a_400(family, name):
+    tool = {"type": "function", "function": {"name": "Write", "parameters": {
+        "type": "object", "properties": {name: {"type": "string"}}}}}
+    with pytest.raises(APIError) as refused:
+        grammar_of(family, "auto", [tool])
+    assert (refused.value.status, refused.value.param) == (400, "tools")

@@ -347,3 +347,44 @@ def test_a_forced_write_call_holding_code_comes_back_intact(served, local_model,
            "tools": [{"name": "Write", "input_schema": WRITE["function"]["parameters"]}]}
     with claude.messages.stream(**ask) as events:  # as Claude Code asks
         assert _anthropic_parts(events.get_final_message().content)[0] == written
+
+
+def _tool(parameters: object) -> dict:
+    return {"type": "function", "function": {"name": "Write", "parameters": parameters}}
+
+
+# Tools whose parameters no grammar can be made of, or made of faithfully.
+MALFORMED = {
+    "properties not an object": {"type": "object", "properties": "x"},
+    "a property not a schema": {"type": "object", "properties": {"path": "x"}},
+    "required not a list of names": {"type": "object", "properties": {
+        "path": {"type": "string"}}, "required": "path"},
+    "a type JSON schema has not": {"type": "object", "properties": {"path": {"type": "text"}}},
+    "a keyword no grammar enforces": {"type": "object", "properties": {
+        "lines": {"type": "integer", "minimum": 1}}},
+    "a name the format cannot write": {"type": "object", "properties": {
+        "<path>": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize("served", list(TEXT_CALLS), indirect=True)
+def test_a_malformed_tool_schema_is_a_400_before_anything_streams(served):
+    """The per-parameter formats check every tool as the JSON ones do: a 400 in each API's
+    own shape, asked for a stream, whether a call is required or not; and the server goes on
+    serving."""
+    _, server, _ = served
+    client, claude = _openai(server), _anthropic(server)
+    messages = [{"role": "user", "content": "Write main.c."}]
+    for case, parameters in MALFORMED.items():
+        for choice in ("required", "auto"):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                               tools=[_tool(parameters)], tool_choice=choice,
+                                               stream=True)
+            assert refused.value.body["param"] == "tools", (case, choice)
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[
+                {"name": "Write", "input_schema": parameters}], stream=True)
+        assert refused.value.body["error"]["type"] == "invalid_request_error", case
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
