@@ -1,5 +1,12 @@
 """The OpenAI request bodies we accept, validated strictly: a field we do not know, a value out
-of range, or a feature we do not implement is a 400 that names the parameter, never ignored."""
+of range, or a feature we do not implement is a 400 that names the parameter, never ignored.
+
+Fields of the openai SDK (3.63) that change nothing here are accepted and have no effect: one
+service tier (`service_tier`), no verbosity setting for a local model (`verbosity`), no
+obfuscation padding in streams (`stream_options.include_obfuscation`), the prompt-cache
+options and breakpoints (`prompt_cache_options`, a text part's `prompt_cache_breakpoint`: every
+prefix is cached as it is; `prompt_cache_retention: "24h"` pins). What would change the answer
+(audio, web search, moderation) is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -31,11 +38,25 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no padding is added here
+
+
+class PromptCacheBreakpoint(_Strict):
+    """The end of a reusable prefix, as OpenAI marks it: every prefix is cached here."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class Prediction(_Strict):
@@ -69,11 +90,12 @@ class Message(_Strict):
     tool_calls: Annotated[list[CalledTool], at_most(bounds.PARTS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its reasoning, as llama-server returns it
+    refusal: str | None = None  # assistant: a refusal sent back, its text when it has no content
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
 
 class FunctionSpec(_Strict):
@@ -137,6 +159,7 @@ class _Sampling(_Strict):
     # they nor safety_identifier/user ever choose a cache namespace: API keys do.
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -257,11 +280,23 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     metadata: Annotated[dict[str, str], at_most(bounds.METADATA)] | None = None
     prediction: Prediction | None = None
+    # Accepted, no effect here: one tier; a local model has no verbosity setting.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Refused when asked for: each would change the answer.
+    modalities: Annotated[list[Literal["text", "audio"]], at_most(bounds.PARTS)] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
 
     def _unsupported(self) -> dict[str, bool]:
         return super()._unsupported() | {
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
+            "modalities": "audio" in (self.modalities or []),
+            "audio": self.audio is not None,
+            "web_search_options": self.web_search_options is not None,
+            "moderation": self.moderation is not None,
         }
 
     def requested_max_tokens(self) -> int | None:

@@ -46,6 +46,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     admit(request)
     _leave_out_hosted_tools(gateway, body)
     prompt = await response_prompt(gateway, body, owner(request))
+    body.check_compaction(len(prompt.tokens))
     logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
     def store(done: dict, choice: Choice) -> None:

@@ -33,6 +33,8 @@ from gateway.protocol import (
     Message,
     NamedFunction,
     NamedToolChoice,
+    PromptCacheBreakpoint,
+    PromptCacheOptions,
     Tool,
     _require_schema_name,
     _Strict,
@@ -42,14 +44,15 @@ from gateway.tools import Toolbox
 
 NAMESPACE_SEPARATOR = "__"
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
-                "web_search_2025_08_26", "file_search", "code_interpreter", "computer_use",
-                "computer_use_preview", "image_generation", "mcp", "local_shell", "shell",
-                "apply_patch", "tool_search", "custom")
+                "web_search_2025_08_26", "file_search", "code_interpreter", "computer",
+                "computer_use", "computer_use_preview", "image_generation", "mcp", "local_shell",
+                "shell", "apply_patch", "tool_search", "programmatic_tool_calling", "custom")
 
 
 class InputText(_Strict):
     type: Literal["input_text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # every prefix is cached
 
 
 class OutputText(_Strict):
@@ -100,6 +103,7 @@ class FunctionCallItem(_Strict):
     arguments: str
     namespace: str | None = None
     status: str | None = None
+    caller: dict | None = None  # direct, or a program's (programmatic tool calling): no effect
 
     def offered_name(self) -> str:
         return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace \
@@ -112,6 +116,9 @@ class FunctionCallOutputItem(_Strict):
     call_id: str
     output: str | Annotated[list[Part], at_most(bounds.PARTS)]
     status: str | None = None
+    caller: dict | None = None
+    name: str | None = None  # the call's, which call_id names already
+    namespace: str | None = None
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -160,6 +167,10 @@ class FunctionTool(_Strict):
     parameters: dict | None = None
     strict: bool | None = None
     defer_loading: bool | None = None
+    # Who may call it (programmatic tool calling, a hosted tool here), what it returns: no effect.
+    allowed_callers: Annotated[list[Literal["direct", "programmatic"]],
+                               at_most(bounds.PARTS)] | None = None
+    output_schema: dict | None = None
 
 
 class NamespaceTool(_Strict):
@@ -197,6 +208,23 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
+class ResponsesCacheOptions(PromptCacheOptions):
+    comparison_response_id: str | None = None  # cache diagnostics: /v1/cache/explain here
+    prewarm: bool | None = None  # no output at all: refused (check_supported)
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool | None = None  # no padding is added here
+
+
+class ContextManagement(_Strict):
+    """Compaction once the input reaches `compact_threshold` tokens: never done here, so an
+    input that reaches it is a 400 (check_compaction); below it, there is nothing to do."""
+
+    type: str
+    compact_threshold: Annotated[int, Field(ge=1)] | None = None
+
+
 class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
@@ -221,12 +249,20 @@ class ResponsesRequest(_Strict):
     # OpenAI's prompt-cache words: a routing hint, and "24h" pins the prompt's blocks.
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: ResponsesCacheOptions | None = None
     safety_identifier: str | None = None
     user: str | None = None
     metadata: Annotated[dict[str, str], at_most(bounds.METADATA)] | None = None
     reasoning: dict | None = None  # its effort, for a template that takes one (gpt-oss, Qwen3)
-    # Accepted, no effect here: one tier, Codex's own bookkeeping.
+    # Accepted, no effect here: one tier, Codex's own bookkeeping, no padding, no images, no
+    # access programs; background's options when background itself is refused.
     service_tier: str | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    image: dict | None = None
+    access_programs: dict | None = None
+    background_options: dict | None = None
+    context_management: Annotated[list[ContextManagement], at_most(bounds.PARTS)] | None = None
+    moderation: dict | None = None  # refused: it could block the answer
     # "disabled" is what is done: a prompt past the context is a 400. "auto" (drop the oldest
     # items until it fits) is refused rather than ignored.
     truncation: Literal["auto", "disabled"] | None = None
@@ -238,10 +274,13 @@ class ResponsesRequest(_Strict):
     prompt: dict | None = None
 
     def check_supported(self) -> None:
+        prewarm = bool(self.prompt_cache_options and self.prompt_cache_options.prewarm)
         for param, asked in {"truncation": self.truncation == "auto",
                              "background": bool(self.background),
                              "conversation": self.conversation is not None,
-                             "prompt": self.prompt is not None}.items():
+                             "prompt": self.prompt is not None,
+                             "moderation": self.moderation is not None,
+                             "prompt_cache_options.prewarm": prewarm}.items():
             if asked:
                 raise invalid(f"'{param}' is not supported by this server", param, "unsupported")
         for i, tool in enumerate(self.tools or []):
@@ -263,6 +302,15 @@ class ResponsesRequest(_Strict):
                 if isinstance(part, UnservedPart):
                     raise invalid(f"input[{i}]: `{part.type}` parts are not supported by this "
                                   "server (its model reads text only)", f"input[{i}].content")
+
+    def check_compaction(self, input_tokens: int) -> None:
+        """A 400 when the input reaches a compaction threshold: compaction would change it."""
+        for i, entry in enumerate(self.context_management or []):
+            if entry.compact_threshold is not None and input_tokens >= entry.compact_threshold:
+                raise invalid(f"The input is {input_tokens} tokens, past context_management[{i}]"
+                              f".compact_threshold ({entry.compact_threshold}): compaction is "
+                              "not supported by this server", f"context_management[{i}]",
+                              "unsupported")
 
     def items(self) -> list:
         if isinstance(self.input, str):

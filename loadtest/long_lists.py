@@ -81,6 +81,8 @@ CASES = [
     Case("chat tools", CHAT, lambda: {"tools": [FUNCTION] * _n(bounds.TOOLS)}, "tools"),
     Case("chat metadata", CHAT,
          lambda: {"metadata": {f"k{i}": "v" for i in range(_n(bounds.METADATA))}}, "metadata"),
+    Case("chat modalities", CHAT, lambda: {"modalities": ["text"] * _n(bounds.PARTS)},
+         "modalities"),
     Case("completion stop", COMPLETIONS, lambda: {"stop": ["x"] * _n(bounds.STOP_STRINGS)},
          "stop"),
     Case("completion token ids", COMPLETIONS, lambda: {"prompt": [1] * _n(bounds.TOKEN_IDS)},
@@ -119,6 +121,11 @@ CASES = [
     Case("responses namespaces' functions", RESPONSES, lambda: {"tools": [
         {"type": "namespace", "name": f"ns{i}", "tools": [RESPONSES_TOOL] * 100}
         for i in range(bounds.TOOLS // 100 + 1)]}, "tools"),
+    Case("responses context_management", RESPONSES, lambda: {"context_management": [
+        {"type": "compaction"}] * _n(bounds.PARTS)}, "context_management"),
+    Case("responses allowed_callers", RESPONSES, lambda: {"tools": [
+        RESPONSES_TOOL | {"allowed_callers": ["direct"] * _n(bounds.PARTS)}]},
+        "tools[0].function.allowed_callers"),
     Case("responses include", RESPONSES,
          lambda: {"include": ["reasoning.encrypted_content"] * _n(bounds.INCLUDE)}, "include"),
     Case("responses metadata", RESPONSES,

@@ -202,3 +202,40 @@ def test_an_explicit_ctx_size_is_honoured_past_the_training_context(model_path, 
         assert f"maximum context length is {limit} tokens" in refused.value.message
     finally:
         server.stop()
+
+
+def test_the_chat_fields_the_current_sdk_sends_are_accepted(client, model_name):
+    """Every field of openai 3.63's chat and completions params that has no meaning here is
+    accepted (before, each was a 400 "unknown parameter"): the answer is the one without them."""
+    plain = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=8,
+                                           temperature=0)
+    fields = {"model": model_name, "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": HELLO[0]["content"],
+                                      "prompt_cache_breakpoint": {"mode": "explicit"}}]}],
+        "service_tier": "priority", "verbosity": "low", "modalities": ["text"],
+        "prompt_cache_options": {"mode": "explicit", "ttl": "30m"}}
+    whole = client.chat.completions.create(**fields)
+    assert whole.choices[0].message.content == plain.choices[0].message.content
+    chunks = client.chat.completions.create(**fields, stream=True, stream_options={
+        "include_usage": True, "include_obfuscation": False})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        plain.choices[0].message.content
+    refused_before = client.chat.completions.create(model=model_name, max_tokens=4, messages=[
+        *HELLO, {"role": "assistant", "content": None, "refusal": "I cannot."}, *HELLO])
+    assert refused_before.choices[0].message.content is not None
+    completion = client.completions.create(model=model_name, prompt="Once upon a time",
+                                           max_tokens=4, stream=True,
+                                           stream_options={"include_obfuscation": False})
+    assert [c.choices[0].finish_reason for c in completion][-1] == "length"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {"search_context_size": "low"}}, "web_search_options"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+])
+def test_what_would_change_the_answer_is_refused_by_name(client, model_name, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=4, **fields)
+    assert refused.value.body["param"] == param

@@ -150,6 +150,10 @@ def test_a_streamed_function_call(client, server):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
      "text.format"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options.prewarm"),
+    ({"context_management": [{"type": "compaction", "compact_threshold": 2}]},
+     "context_management[0]"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(client, server, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -329,3 +333,38 @@ def test_logprobs_and_the_cache_key_as_codex_sends_it(client, server):
     assert "".join(entry.token for entry in logprobs) == response.output_text
     assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in logprobs)
     assert server.metrics()["prefixgate_prompt_cache_key_requests_total"] == before + 1
+
+
+def test_the_fields_the_current_sdk_sends_are_accepted(client, server):
+    """Every field of openai 3.63's ResponseCreateParams that has no meaning here is accepted
+    (before, each was a 400 "unknown parameter"), with the tools' and items' newer fields: the
+    answer is the one without them. A compaction threshold the input is below changes nothing."""
+    tool = {**WEATHER, "strict": True}
+    plain = client.responses.create(model=server.model_name, input=QUESTION, max_output_tokens=12,
+                                    tools=[tool], tool_choice="none")
+    fields = {
+        "model": server.model_name, "max_output_tokens": 12, "tool_choice": "none",
+        "tools": [{**tool, "allowed_callers": ["direct"], "output_schema": {"type": "object"}},
+                  {"type": "computer"}, {"type": "programmatic_tool_calling"}],
+        "input": [{"role": "user", "content": [{
+            "type": "input_text", "text": QUESTION,
+            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]}],
+        "prompt_cache_options": {"mode": "explicit", "ttl": "12h",
+                                 "comparison_response_id": plain.id, "prewarm": False},
+        "access_programs": {"cyber": "standard"}, "image": {"context_compression": "auto"},
+        "background_options": {"completion_window": "soonest"},
+        "context_management": [{"type": "compaction", "compact_threshold": 100_000}],
+        "service_tier": "flex"}
+    response = client.responses.create(**fields)
+    assert response.output_text == plain.output_text
+    with client.responses.stream(**fields, stream_options={"include_obfuscation": False}
+                                 ) as stream:
+        assert stream.get_final_response().output_text == plain.output_text
+    history = [{"role": "user", "content": "What is the weather in Oslo?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Oslo"}', "caller": {"type": "direct"}},
+               {"type": "function_call_output", "call_id": "call_1", "output": "4 degrees",
+                "caller": {"type": "direct"}, "name": "get_weather"}]
+    answer = client.responses.create(model=server.model_name, input=history, tools=[tool],
+                                     tool_choice="none", max_output_tokens=8)
+    assert answer.output_text
