@@ -358,7 +358,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Annotated[int, Field(ge=0)] | None = None
     metadata: Metadata | None = None
     # Accepted, no effect here: one tier, one place, no server tools to run in a container,
-    # no cache_miss_reason in the answer (/v1/cache/explain says why a prompt misses).
+    # no cache_miss_reason in the answer.
     service_tier: str | None = None
     inference_geo: str | None = None
     container: str | dict | None = None

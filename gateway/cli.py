@@ -152,8 +152,9 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,
                    help="seconds a block lives in Redis after its last write")
     p.add_argument("--pin-budget-mb", type=int, default=None,
-                   help="most pool memory prompt_cache_retention 24h may pin (default: a "
-                        "quarter of --cache-mb); past it the oldest pins fall back to LRU")
+                   help="most pool memory pins may hold (prompt_cache_retention 24h, "
+                        "Anthropic's cache_control; default: a quarter of --cache-mb); past it "
+                        "the pins that expire first fall back to LRU")
     p.add_argument("--tenant-cache-share", type=_share, default=0.5,
                    help="share of the pool past which a tenant's own least recently used "
                         "prefixes are evicted first, so one tenant's flood cannot empty the "
