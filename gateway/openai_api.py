@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 from aiohttp import web
 
+from cache.tokens import common_prefix
 from gateway.chat_formats import OutputParser, Reasoning, call_grammar_of
-from gateway.errors import invalid
+from gateway.errors import APIError, invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
 from gateway.prompts import ChatPrompt
@@ -34,9 +36,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway.require_model(body.model)
     admit(request)
     prompt = await chat_prompt(gateway, body)
+    pins = await asyncio.to_thread(_breakpoint_pins, gateway, body, prompt.tokens)
     wire = ChatWire(body.model, _token_bytes(gateway, body), body.include_usage, prompt.parser)
     return await generate(request, prompt.tokens,
-                          _planner(request, body, prompt.tokens, prompt.parser), wire)
+                          _planner(request, body, prompt.tokens, prompt.parser, pins), wire)
 
 
 @routes.post("/v1/completions")
@@ -65,13 +68,31 @@ async def completion_prompt(gateway: Gateway, body: CompletionRequest) -> list[i
         raise invalid(str(exc), "prompt") from None
 
 
+def _breakpoint_pins(gateway: Gateway, body: ChatCompletionRequest,
+                     tokens: list[int]) -> tuple[Pin, ...]:
+    """A pin per prompt_cache_breakpoint, for its TTL (at most --pin-hours), as far into the
+    prompt as the conversation cut after its part renders the same tokens (whatever the
+    template writes around the parts). A cut the template cannot render pins nothing."""
+    pins = []
+    whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
+    for m, p, seconds in body.cache_breakpoints():
+        try:
+            cut = gateway.prompts.chat(body.cut(m, p), body.toolbox,
+                                       Reasoning.of_effort(body.reasoning_effort)).tokens
+        except APIError:
+            continue
+        pins.append(Pin(common_prefix(whole, np.asarray(cut)), min(seconds, longest)))
+    return tuple(pins)
+
+
 def _token_bytes(gateway: Gateway, body: ChatCompletionRequest | CompletionRequest):
     """What a wire spells tokens with, when the request asked for logprobs."""
     return gateway.model.token_piece if body.logprob_count() is not None else None
 
 
 def _planner(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
-             prompt_tokens: list[int], parser: OutputParser | None = None):
+             prompt_tokens: list[int], parser: OutputParser | None = None,
+             breakpoints: tuple[Pin, ...] = ()):
     gateway: Gateway = request.app["gateway"]
 
     def plan() -> Plan:
@@ -85,6 +106,7 @@ def _planner(request: web.Request, body: ChatCompletionRequest | CompletionReque
         # "24h" keeps the prompt's blocks past LRU (OpenAI's extended retention).
         pins = (Pin(len(prompt_tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()
-        return Plan(generation, body.n or 1, body.stream, body.prompt_cache_key, pins)
+        return Plan(generation, body.n or 1, body.stream, body.prompt_cache_key,
+                    pins + breakpoints)
 
     return plan

@@ -4,9 +4,10 @@ of range, or a feature we do not implement is a 400 that names the parameter, ne
 Fields of the openai SDK (3.63) that change nothing here are accepted and have no effect: one
 service tier (`service_tier`), no verbosity setting for a local model (`verbosity`), no
 obfuscation padding in streams (`stream_options.include_obfuscation`), the prompt-cache
-options and breakpoints (`prompt_cache_options`, a text part's `prompt_cache_breakpoint`: every
-prefix is cached as it is; `prompt_cache_retention: "24h"` pins). What would change the answer
-(audio, web search, moderation) is a 400 naming it."""
+options (`prompt_cache_options.mode`: every prefix is cached as it is). A chat text part's
+`prompt_cache_breakpoint` pins the prompt up to that part for its TTL (the latest four marks, or
+three beside OpenAI's implicit one), as `prompt_cache_retention: "24h"` pins a whole prompt. What
+would change the answer (audio, web search, moderation) is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # no padding is added here
 
 
+BREAKPOINT_SECONDS = {"30m": 1800.0, "12h": 43200.0}
+
+
 class PromptCacheBreakpoint(_Strict):
-    """The end of a reusable prefix, as OpenAI marks it: every prefix is cached here."""
+    """The end of a reusable prefix, as OpenAI marks it: chat pins the prompt up to it."""
 
     mode: Literal["explicit"]
     ttl: Literal["30m", "12h"] | None = None
@@ -312,6 +316,24 @@ class ChatCompletionRequest(_Sampling):
 
     def predicted_text(self) -> str | None:
         return self.prediction.text() if self.prediction else None
+
+    def cache_breakpoints(self) -> list[tuple[int, int, float]]:
+        """The text parts marked with prompt_cache_breakpoint, as (message, part, seconds), in
+        prompt order: as OpenAI writes them, the latest four with prompt_cache_options.mode
+        `explicit`, else the latest three (beside its implicit breakpoint: here, the cache
+        itself). A mark's TTL is its own, else the request's prompt_cache_options.ttl, else 30m."""
+        options = self.prompt_cache_options
+        default = options.ttl if options is not None and options.ttl else "30m"
+        marks = [(m, p, BREAKPOINT_SECONDS[part.prompt_cache_breakpoint.ttl or default])
+                 for m, message in enumerate(self.messages) if isinstance(message.content, list)
+                 for p, part in enumerate(message.content) if part.prompt_cache_breakpoint]
+        explicit = options is not None and options.mode == "explicit"
+        return marks[-(bounds.CACHE_BREAKPOINTS - (0 if explicit else 1)):]
+
+    def cut(self, m: int, p: int) -> list[Message]:
+        """The conversation up to and including part p of message m."""
+        last = self.messages[m].model_copy(update={"content": self.messages[m].content[: p + 1]})
+        return [*self.messages[:m], last]
 
     @functools.cached_property
     def toolbox(self) -> Toolbox | None:

@@ -52,7 +52,8 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_
 class InputText(_Strict):
     type: Literal["input_text"]
     text: str
-    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # every prefix is cached
+    # Accepted; pins nothing here yet (chat's pin: gateway/openai_api.py _breakpoint_pins).
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class OutputText(_Strict):

@@ -83,6 +83,36 @@ def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, pin_c
     tiny_pool.settled()
 
 
+def test_a_prompt_cache_breakpoint_pins_the_prompt_up_to_its_part(model_path, model_name):
+    """openai 3.63's explicit breakpoint on a chat text part: the system part marked, the prompt
+    up to it outlives a flood that takes the same prompt unmarked (plain LRU across tenants,
+    pins of --pin-hours' default, far longer than the test however slow the machine)."""
+    server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
+                            "6", "--pin-budget-mb", "3", "--tenant-cache-share", "1")
+    client = openai_client(server)
+
+    def ask(system: str, marked: bool) -> int:
+        mark = {"prompt_cache_breakpoint": {"mode": "explicit"}} if marked else {}
+        r = client.chat.completions.create(
+            model=model_name, max_tokens=4, temperature=0,
+            prompt_cache_options={"mode": "explicit", "ttl": "30m"}, messages=[
+                {"role": "system", "content": [{"type": "text", "text": system, **mark}]},
+                {"role": "user", "content": "Say one word."}])
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    try:
+        ask(story("The lighthouse"), marked=True)
+        ask(story("The ferry"), marked=False)
+        for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope"):  # each evicts what it can
+            ask(story(topic), marked=False)
+            assert server.metrics()["prefixgate_prefix_cache_pinned_blocks"] <= 2
+        assert ask(story("The ferry"), marked=False) < 8  # evicted
+        assert ask(story("The lighthouse"), marked=False) >= 64  # pinned up to its part
+        server.settled()
+    finally:
+        server.stop()
+
+
 def test_a_request_refused_at_capacity_pins_nothing(model_path, model_name):
     """Room for one request: while a stream runs, a request asking to pin a cached prompt is
     refused with a 429, and its prompt stays unpinned (pins come after admission)."""
