@@ -14,6 +14,7 @@ once both write them; the second commit finds them in the tree and frees its cop
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -27,7 +28,7 @@ import xxhash
 
 from cache.arena import BlockArena
 from cache.block_pool import BlockPool
-from cache.radix_tree import Match, PathReport, RadixTree
+from cache.radix_tree import Match, Node, PathReport, RadixTree
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,10 @@ class _Plan:
     hold: bool
 
 
-# Told of every block a worker stores, under the index's lock: (block key, tokens, slot).
-StoredHook = Callable[[bytes, np.ndarray, int], None]
+# Told of every block a worker stores, after the index's lock is released: (block key, tokens,
+# slot, done). The slot stays referenced, so never evicted nor written, until `done()` is called
+# (once, from any thread): until then the hook may read the block's bytes on a thread of its own.
+StoredHook = Callable[[bytes, np.ndarray, int, Callable[[], None]], None]
 
 
 class CacheIndex:
@@ -96,6 +99,7 @@ class CacheIndex:
         self._uncached_requests = 0
         self._pinned_hit_tokens = 0
         self._on_stored = on_stored
+        self._told: dict[int, Node] = {}  # blocks held for on_stored until it is done
 
     def client(self, owner: int) -> IndexClient:
         return IndexClient(self, owner)
@@ -156,38 +160,61 @@ class CacheIndex:
 
     def commit_store(self, plan_id: int, written: bool) -> None:
         """Adopts a plan's written slots into the tree. With `hold` the stored path stays
-        referenced as a lease with the plan's id."""
+        referenced as a lease with the plan's id. The on_stored hook hears of the new blocks
+        after the lock is released, each held until the hook is done with it: what it does
+        with their bytes (Redis: a copy, a hash) never holds up another caller of the index."""
+        told: list[tuple[Node, int]] = []
         with self._lock:
-            plan = self._plans.pop(plan_id, None)
-            if plan is None:  # its owner died meanwhile: everything was returned already
-                return
-            complete = False
-            if written:
-                unused = dict(enumerate(plan.slots))
-                adopted: list[int] = []  # block indices of the path
+            self._commit_store(plan_id, written, told)
+        for node, hold in told:
+            done = functools.partial(self._done_telling, hold)
+            try:
+                self._on_stored(node.key, node.tokens, node.slot, done)
+            except Exception:
+                log.exception("telling of a stored block failed")
+                done()
 
-                def fill(start: int, _end: int) -> int | None:
-                    if start < plan.begin:  # a block before the plan went missing meanwhile
-                        return None
-                    slot = unused.pop((start - plan.begin) // self.block_size, None)
-                    if slot is not None:
-                        adopted.append(start // self.block_size)
-                    return slot
+    def _done_telling(self, hold: int) -> None:
+        with self._lock:
+            node = self._told.pop(hold, None)
+            if node is not None:
+                self.tree.release(Match([node], len(node.tokens)))
 
-                path, complete = self.tree.insert(plan.tokens[: plan.end], fill, plan.namespace)
-                if self._on_stored is not None:
-                    for i in adopted:
-                        node = path.nodes[i]
-                        self._on_stored(node.key, node.tokens, node.slot)
-                complete = complete and plan.end == len(plan.tokens)
-                plan.slots = list(unused.values())
-                if plan.hold:
-                    self._leases[plan_id] = (plan.owner, path)
-                else:
-                    self.tree.release(path)
-            if plan.final and not complete:
-                self._uncached_requests += 1
-            self._drop(plan)
+    def _commit_store(self, plan_id: int, written: bool, told: list[tuple[Node, int]]) -> None:
+        """commit_store's work, under the lock: the blocks to tell of go to `told`, held."""
+        plan = self._plans.pop(plan_id, None)
+        if plan is None:  # its owner died meanwhile: everything was returned already
+            return
+        complete = False
+        if written:
+            unused = dict(enumerate(plan.slots))
+            adopted: list[int] = []  # block indices of the path
+
+            def fill(start: int, _end: int) -> int | None:
+                if start < plan.begin:  # a block before the plan went missing meanwhile
+                    return None
+                slot = unused.pop((start - plan.begin) // self.block_size, None)
+                if slot is not None:
+                    adopted.append(start // self.block_size)
+                return slot
+
+            path, complete = self.tree.insert(plan.tokens[: plan.end], fill, plan.namespace)
+            if self._on_stored is not None:
+                for i in adopted:
+                    node = path.nodes[i]
+                    self.pool.retain(node.slot)
+                    hold = next(self._ids)
+                    self._told[hold] = node
+                    told.append((node, hold))
+            complete = complete and plan.end == len(plan.tokens)
+            plan.slots = list(unused.values())
+            if plan.hold:
+                self._leases[plan_id] = (plan.owner, path)
+            else:
+                self.tree.release(path)
+        if plan.final and not complete:
+            self._uncached_requests += 1
+        self._drop(plan)
 
     def adopt(self, tokens: np.ndarray, namespace: str,
               block_bytes: Callable[[int, int], np.ndarray | bytes | None],
@@ -282,6 +309,8 @@ class CacheIndex:
                     held[node.slot] = held.get(node.slot, 0) + 1
                 for slot in plan.slots:
                     held[slot] = held.get(slot, 0) + 1
+            for node in self._told.values():
+                held[node.slot] = held.get(node.slot, 0) + 1
             found = self.tree.problems(held)
             owners = {o for o, _ in self._leases.values()} | {p.owner for p in
                                                               self._plans.values()}

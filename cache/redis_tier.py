@@ -1,9 +1,12 @@
 """The Redis tier: KV blocks shared by gateways that share no arena (other pods, other machines).
 
 Every block a worker stores is also written to Redis, from a queue on a thread of its own, never
-on a request's path. On a local miss the gateway asks Redis for the prompt's following blocks in
-one MGET (one round trip for the whole prompt, capped by `--redis-timeout`) and adopts what it
-finds into its own pool before routing the request, which then loads them like any cached block.
+on a request's path: the queue holds the block itself (its slot in the arena stays referenced,
+so unchanged, until the writer has copied it), and the writer makes the value, copy and
+signature, outside the cache index's lock. On a local miss the gateway asks Redis for the
+prompt's following blocks in one MGET (one round trip for the whole prompt, capped by
+`--redis-timeout`) and adopts what it finds into its own pool before routing the request, which
+then loads them like any cached block.
 
 Keys: `prefixgate:v1:<fingerprint>:<block key>`, the block key being the radix tree's chained
 hash (parent key + tokens, from the namespace's root), so the model and KV layout, the tenant
@@ -34,6 +37,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +54,16 @@ _MAC_BYTES = 32
 BREAKER_FAILURES = 3  # consecutive failures that open the breaker
 BREAKER_SECONDS = 30.0  # how long the tier is skipped then
 WRITE_BATCH = 16  # blocks per pipelined write
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A block waiting for the writer: its bytes hold still until `done()`."""
+
+    key: bytes  # the block key (the radix tree's)
+    tokens: np.ndarray
+    data: bytes | memoryview | np.ndarray
+    done: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ class RedisTier:
         # Writes carry megabytes and nobody waits for them: a longer timeout.
         self._writes = redis.Redis.from_url(config.url, socket_timeout=10,
                                             socket_connect_timeout=config.timeout * 5)
-        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(config.queue_blocks)
+        self._queue: queue.Queue[_Stored | None] = queue.Queue(config.queue_blocks)
         self._failures = 0
         self._skip_until = 0.0
         self._lock = threading.Lock()  # the breaker and the stats, from both threads
@@ -93,19 +107,31 @@ class RedisTier:
 
     # ----- writes -------------------------------------------------------------------------
 
-    def put(self, block_key: bytes, tokens: np.ndarray, data: bytes | memoryview) -> None:
-        """Queues a block for Redis; called under the cache index's lock, so it only copies."""
-        key = self.key(block_key)
-        flags = _SIGNED if self.config.key else 0
-        value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, flags, len(tokens), self._fingerprint)
-                 + tokens.astype("<i4").tobytes() + bytes(data))
-        if self.config.key:  # over the key too: a signed value cannot move to another prefix
-            value += hmac.new(self.config.key, key + value, hashlib.sha256).digest()
+    def put(self, block_key: bytes, tokens: np.ndarray, data: bytes | memoryview | np.ndarray,
+            done: Callable[[], None]) -> None:
+        """Queues a block for Redis: `data` its bytes, which stay unchanged until `done()`,
+        called once the writer has copied them (at once when the queue is full). It only
+        queues: the copy and the signature are the writer's."""
         try:
-            self._queue.put_nowait((key, value))
+            self._queue.put_nowait(_Stored(block_key, tokens, data, done))
         except queue.Full:
+            done()
             with self._lock:
                 self.stats.dropped_blocks += 1
+
+    def _value(self, block: _Stored) -> tuple[bytes, bytes]:
+        """(Redis key, value) of a queued block; its bytes are copied, and the block let go."""
+        try:
+            key = self.key(block.key)
+            flags = _SIGNED if self.config.key else 0
+            value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, flags, len(block.tokens),
+                                  self._fingerprint)
+                     + block.tokens.astype("<i4").tobytes() + bytes(block.data))
+        finally:
+            block.done()
+        if self.config.key:  # over the key too: a signed value cannot move to another prefix
+            value += hmac.new(self.config.key, key + value, hashlib.sha256).digest()
+        return key, value
 
     def _write_loop(self) -> None:
         while True:
@@ -120,10 +146,19 @@ class RedisTier:
                     break
                 batch.append(item)
             if self.skipping():
+                for block in batch:
+                    block.done()
+                continue
+            try:
+                values = [self._value(block) for block in batch]
+            except Exception:  # never the writer's end: the blocks not reached are let go
+                log.exception("Redis tier: making %d values failed", len(batch))
+                for block in batch:
+                    block.done()
                 continue
             try:
                 with self._writes.pipeline(transaction=False) as pipe:
-                    for key, value in batch:
+                    for key, value in values:
                         pipe.set(key, value, ex=self.config.ttl)
                     pipe.execute()
                 self._succeeded(len(batch))

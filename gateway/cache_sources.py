@@ -35,13 +35,11 @@ class Held:
         return max(tiers, key=lambda tier: min(tiers[tier], cached))
 
 
-def held_for(gateway: Gateway, request: GenerationRequest, adopted: int) -> Held:
-    """What the tiers hold of a request about to be submitted, `adopted` tokens of it just
-    brought from Redis into the pool."""
+def held_for(gateway: Gateway, request: GenerationRequest, adopted: int, in_pool: int) -> Held:
+    """What the tiers hold of a request about to be submitted: `in_pool` tokens of it in the
+    pool, `adopted` of them just brought from Redis."""
     prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
     live, _ = gateway.workers.live_match(prompt, request.namespace)
-    pool = gateway.workers.pool
-    in_pool = pool.cached_length(request) if pool is not None else 0
     return Held(live, max(0, in_pool - adopted), adopted)
 
 

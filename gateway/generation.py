@@ -23,11 +23,12 @@ import orjson
 from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
-from gateway.cache_sources import HEADER, header_value, held_for
+from gateway.cache_sources import HEADER, Held, header_value, held_for
 from gateway.chat_formats import OutputParser, Part
 from gateway.errors import APIError, invalid
 from gateway.handles import GenerationHandle
 from gateway.service import Gateway
+from gateway.shared_pool import SharedPool
 from gateway.supervisor import Overloaded
 
 log = logging.getLogger(__name__)
@@ -191,19 +192,11 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
     pool = gateway.workers.pool
-    adopted = 0
-    if pool is not None and pool.tier is not None:  # a local miss: another replica's hit?
-        adopted = await asyncio.to_thread(pool.fetch_from_tier, generation)
-    if pool is not None and gateway.config.workers.engine.speculation:
-        generation = dataclasses.replace(generation, history=pool.history(
-            generation, min(generation.max_tokens, HISTORY_TOKENS)))
-    held = held_for(gateway, generation, adopted)  # before it is in flight itself
-    handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key)
-    # Pins once admitted (a request refused with a 429 pins nothing): what is cached already,
-    # now; the rest once it is stored.
+    # The index's lock is taken by the workers' reader threads too: the event loop never waits
+    # for it (nor for Redis), every call to the index is made on a thread.
+    generation, held, in_pool = await asyncio.to_thread(_routing, gateway, generation)
+    handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key, in_pool)
     pins = planned.pins if pool is not None else ()
-    for pin in pins:
-        pool.pin(generation, pin.n_tokens, pin.seconds)
     timer = gateway.metrics.request_timer(len(prompt_tokens))
     choices = [Choice() for _ in handles]
 
@@ -212,6 +205,10 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         return {HEADER: header_value(choices[0].cached or 0, len(prompt_tokens), held)}
 
     try:
+        # Pins once admitted (a request refused with a 429 pins nothing): what is cached
+        # already, now; the rest once it is stored.
+        if pins:
+            await asyncio.to_thread(_pin, pool, generation, pins)
         if planned.stream:
             return await _stream(request, handles, wire, timer, limits.request_timeout, choices,
                                  cache_header)
@@ -221,11 +218,32 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
         _charge_rate(gateway, request["key"], choices)
-        for pin in pins:
-            pool.pin(generation, pin.n_tokens, pin.seconds)
+        if pins:  # before a whole answer goes out: the next request finds them pinned
+            await asyncio.to_thread(_pin, pool, generation, pins)
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+def _routing(gateway: Gateway, generation: GenerationRequest
+             ) -> tuple[GenerationRequest, Held, int]:
+    """What routing a request reads of the cache, on a thread: the Redis tier on a local miss
+    (another replica's hit?), an earlier answer to the same prompt to draft from, what each
+    tier holds (before the request is in flight itself) and what the pool holds."""
+    pool = gateway.workers.pool
+    if pool is None:
+        return generation, held_for(gateway, generation, 0, 0), 0
+    adopted = pool.fetch_from_tier(generation) if pool.tier is not None else 0
+    if gateway.config.workers.engine.speculation:
+        generation = dataclasses.replace(generation, history=pool.history(
+            generation, min(generation.max_tokens, HISTORY_TOKENS)))
+    in_pool = pool.cached_length(generation)
+    return generation, held_for(gateway, generation, adopted, in_pool), in_pool
+
+
+def _pin(pool: SharedPool, generation: GenerationRequest, pins: tuple[Pin, ...]) -> None:
+    for pin in pins:
+        pool.pin(generation, pin.n_tokens, pin.seconds)
 
 
 def _in_format(gateway: Gateway, generation: GenerationRequest, wire: Wire
@@ -284,9 +302,9 @@ def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
 
 
 def _submit(gateway: Gateway, generations: list[GenerationRequest],
-            cache_key: str | None) -> list[GenerationHandle]:
+            cache_key: str | None, pool_cached: int) -> list[GenerationHandle]:
     try:
-        return gateway.workers.submit_group(generations, cache_key)
+        return gateway.workers.submit_group(generations, cache_key, pool_cached)
     except Overloaded as exc:
         gateway.metrics.refused.labels("capacity").inc()
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly",

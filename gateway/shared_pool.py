@@ -160,8 +160,11 @@ class SharedPool:
         self.tier.record_hit(adopted)
         return adopted
 
-    def _to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int) -> None:
-        self.tier.put(block_key, tokens, self.arena.block(slot))
+    def _to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int,
+                 done: Callable[[], None]) -> None:
+        """A stored block, for Redis: the tier's writer copies its bytes from the arena (the
+        slot holds still until `done`)."""
+        self.tier.put(block_key, tokens, self.arena.block(slot), done)
 
     # ----- what /metrics and the cache page read -----------------------------------------------
 

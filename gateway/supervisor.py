@@ -184,17 +184,20 @@ class Workers:
         with self._lock:
             return sum(len(w.requests) for w in self._workers)
 
-    def submit_group(self, requests: list[GenerationRequest],
-                     cache_key: str | None = None) -> list[GenerationHandle]:
+    def submit_group(self, requests: list[GenerationRequest], cache_key: str | None = None,
+                     pool_cached: int | None = None) -> list[GenerationHandle]:
         """Requests on one prompt (a request's n choices), routed together to one worker, so
         that the prompt is computed once and its cells shared. Requests with the same
-        `cache_key` go to the same worker while the imbalance guard allows."""
+        `cache_key` go to the same worker while the imbalance guard allows. `pool_cached`:
+        the prompt's tokens in the pool, when the caller read it off the event loop (reading
+        it here takes the cache index's lock)."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         request = requests[0]
         prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
         namespace = request.namespace
-        pool_cached = self.pool.cached_length(request) if self.pool else 0
+        if pool_cached is None:
+            pool_cached = self.pool.cached_length(request) if self.pool else 0
         with self._lock:
             ready = [w for w in self._workers if w.state == "ready"]
             if not ready:

@@ -4,6 +4,7 @@ going away costs a miss, not a failed or stalled request."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import openai
 import pytest
 import redis
 
+from cache.index import CacheIndex
 from cache.redis_tier import BREAKER_FAILURES, RedisTier, TierConfig
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DETERMINISTIC_ARGS, openai_client
@@ -126,6 +128,47 @@ def test_the_breaker_opens_after_repeated_failures(redis_url):
             assert redis_tier.fetch([key], [tokens]) == []
         assert redis_tier.skipping() and redis_tier.stats.errors == BREAKER_FAILURES
     finally:
+        redis_tier.close()
+
+
+def test_a_stored_block_is_copied_for_redis_on_the_writer_thread_and_held_until_then(
+        redis_url):
+    """Storing a block takes the cache index's lock for its bookkeeping only: its bytes are read
+    (copied, then signed) on the tier's writer thread, after commit_store returned, and its slot
+    stays referenced until then, so that nothing rewrites it meanwhile."""
+    url, _ = redis_url
+    redis_tier = RedisTier(TierConfig(url, key=b"the-tier-secret"), "a fingerprint",
+                           slot_bytes=16)
+    reading, read = threading.Event(), threading.Event()
+    readers = []
+
+    class Block:
+        """A block's bytes in the arena, noting which thread reads them, then waiting."""
+
+        def __bytes__(self) -> bytes:
+            readers.append(threading.current_thread().name)
+            reading.set()
+            assert read.wait(30)
+            return bytes(range(16))
+
+    index = CacheIndex(4, 4, on_stored=lambda key, tokens, slot, done: redis_tier.put(
+        key, tokens, Block(), done))
+    tokens = np.arange(4, dtype=np.int32)
+    try:
+        plan = index.plan_store(0, tokens, "", final=True, hold=False)
+        index.commit_store(plan.plan_id, written=True)  # returns before the bytes are read
+        assert reading.wait(30) and readers == ["redis-tier"]
+        assert index.snapshot().blocks_held == 1 and index.problems({0}) == []
+        read.set()
+        deadline = time.monotonic() + 30
+        while redis_tier.stats.stored_blocks < 1:
+            assert time.monotonic() < deadline, "the block never reached Redis"
+            time.sleep(0.01)
+        assert index.snapshot().blocks_held == 0 and index.problems({0}) == []
+        (key,) = index.chain_keys(tokens, "")
+        assert redis_tier.fetch([key], [tokens]) == [bytes(range(16))]  # signed, verified
+    finally:
+        read.set()
         redis_tier.close()
 
 
