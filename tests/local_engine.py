@@ -50,13 +50,20 @@ class LocalEngine:
         return handle
 
     def settled(self) -> EngineSnapshot:
-        """The snapshot once the engine has published the step that answered the last request."""
-        deadline = time.monotonic() + 10
-        while ((self.engine.snapshot.running or self.engine.snapshot.waiting)
-               and time.monotonic() < deadline):
-            time.sleep(0.01)
-        time.sleep(0.05)
-        return self.engine.snapshot
+        """The snapshot once the engine has published the step that answered the last request:
+        the first published after a wake-up (the engine publishes after every step, an idle
+        one's too) that shows nothing running or waiting. (It slept 50 ms for the publish
+        instead: a busy machine could take longer.)"""
+        deadline = time.monotonic() + 120
+        while True:
+            before = self.engine.snapshot
+            self.engine.wake()
+            while self.engine.snapshot is before:
+                assert time.monotonic() < deadline, "the engine published no step"
+                time.sleep(0.01)
+            snapshot = self.engine.snapshot
+            if not snapshot.running and not snapshot.waiting:
+                return snapshot
 
     def assert_released(self) -> None:
         """No request holds a cell or a block: only the tree references blocks."""
