@@ -120,18 +120,22 @@ class RedisTier:
                 self.stats.dropped_blocks += 1
 
     def _value(self, block: _Stored) -> tuple[bytes, bytes]:
-        """(Redis key, value) of a queued block; its bytes are copied, and the block let go."""
+        """(Redis key, value) of a queued block: its bytes copied, the block let go, then the
+        copy signed (the hash lets go of the GIL) and joined to its header."""
         try:
-            key = self.key(block.key)
-            flags = _SIGNED if self.config.key else 0
-            value = (_HEADER.pack(_MAGIC, FORMAT_VERSION, flags, len(block.tokens),
-                                  self._fingerprint)
-                     + block.tokens.astype("<i4").tobytes() + bytes(block.data))
+            data = bytes(block.data)
         finally:
             block.done()
+        key = self.key(block.key)
+        flags = _SIGNED if self.config.key else 0
+        head = (_HEADER.pack(_MAGIC, FORMAT_VERSION, flags, len(block.tokens), self._fingerprint)
+                + block.tokens.astype("<i4").tobytes())
+        parts = [head, data]
         if self.config.key:  # over the key too: a signed value cannot move to another prefix
-            value += hmac.new(self.config.key, key + value, hashlib.sha256).digest()
-        return key, value
+            mac = hmac.new(self.config.key, key + head, hashlib.sha256)
+            mac.update(data)
+            parts.append(mac.digest())
+        return key, b"".join(parts)
 
     def _write_loop(self) -> None:
         while True:
