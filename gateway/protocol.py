@@ -3,11 +3,12 @@ of range, or a feature we do not implement is a 400 that names the parameter, ne
 
 Fields of the openai SDK (3.63) that change nothing here are accepted and have no effect: one
 service tier (`service_tier`), no verbosity setting for a local model (`verbosity`), no
-obfuscation padding in streams (`stream_options.include_obfuscation`), the prompt-cache
-options (`prompt_cache_options.mode`: every prefix is cached as it is). A chat text part's
-`prompt_cache_breakpoint` pins the prompt up to that part for its TTL (the latest four marks, or
-three beside OpenAI's implicit one), as `prompt_cache_retention: "24h"` pins a whole prompt. What
-would change the answer (audio, web search, moderation) is a 400 naming it."""
+obfuscation padding in streams (`stream_options.include_obfuscation`), the prompt-cache options
+(`prompt_cache_options.mode`: every prefix is cached as it is). A text part's
+`prompt_cache_breakpoint` (chat's, and Responses' input_text's) pins the prompt up to that part
+for its TTL (the latest four marks, or three beside OpenAI's implicit one), as
+`prompt_cache_retention: "24h"` pins a whole prompt. What would change the answer (audio, web
+search, moderation) is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ class PromptCacheBreakpoint(_Strict):
 class PromptCacheOptions(_Strict):
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m", "12h"] | None = None
+
+
+def written_breakpoints(marks: list[tuple[int, int, PromptCacheBreakpoint]],
+                        options: PromptCacheOptions | None) -> list[tuple[int, int, float]]:
+    """Marked parts, (message or item, part, mark) in prompt order, as (message, part, seconds)
+    for those OpenAI writes: the latest four with prompt_cache_options.mode `explicit`, else the
+    latest three (beside its implicit breakpoint: here, the cache itself). A mark's TTL is its
+    own, else the request's prompt_cache_options.ttl, else 30m."""
+    default = options.ttl if options is not None and options.ttl else "30m"
+    explicit = options is not None and options.mode == "explicit"
+    kept = marks[-(bounds.CACHE_BREAKPOINTS - (0 if explicit else 1)):]
+    return [(m, p, BREAKPOINT_SECONDS[mark.ttl or default]) for m, p, mark in kept]
 
 
 class TextPart(_Strict):
@@ -318,17 +331,11 @@ class ChatCompletionRequest(_Sampling):
         return self.prediction.text() if self.prediction else None
 
     def cache_breakpoints(self) -> list[tuple[int, int, float]]:
-        """The text parts marked with prompt_cache_breakpoint, as (message, part, seconds), in
-        prompt order: as OpenAI writes them, the latest four with prompt_cache_options.mode
-        `explicit`, else the latest three (beside its implicit breakpoint: here, the cache
-        itself). A mark's TTL is its own, else the request's prompt_cache_options.ttl, else 30m."""
-        options = self.prompt_cache_options
-        default = options.ttl if options is not None and options.ttl else "30m"
-        marks = [(m, p, BREAKPOINT_SECONDS[part.prompt_cache_breakpoint.ttl or default])
-                 for m, message in enumerate(self.messages) if isinstance(message.content, list)
-                 for p, part in enumerate(message.content) if part.prompt_cache_breakpoint]
-        explicit = options is not None and options.mode == "explicit"
-        return marks[-(bounds.CACHE_BREAKPOINTS - (0 if explicit else 1)):]
+        """The text parts marked with prompt_cache_breakpoint (written_breakpoints)."""
+        return written_breakpoints(
+            [(m, p, part.prompt_cache_breakpoint) for m, message in enumerate(self.messages)
+             if isinstance(message.content, list) for p, part in enumerate(message.content)
+             if part.prompt_cache_breakpoint], self.prompt_cache_options)
 
     def cut(self, m: int, p: int) -> list[Message]:
         """The conversation up to and including part p of message m."""

@@ -9,9 +9,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 from aiohttp import web
 
+from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.chat_formats import OutputParser, call_grammar_of
 from gateway.errors import APIError, invalid
@@ -45,7 +47,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gateway.require_model(body.model)
     admit(request)
     _leave_out_hosted_tools(gateway, body)
-    prompt = await response_prompt(gateway, body, owner(request))
+    prompt = await response_prompt(gateway, body, owner(request), with_pins=True)
     body.check_compaction(len(prompt.tokens))
     logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
@@ -76,7 +78,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             logprobs=(body.top_logprobs or 0) if logprobs else None)
         pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
             if body.prompt_cache_retention == "24h" else ()
-        return Plan(generation, stream=body.stream, cache_key=body.prompt_cache_key, pins=pins)
+        return Plan(generation, stream=body.stream, cache_key=body.prompt_cache_key,
+                    pins=pins + prompt.pins)
 
     return await generate(request, prompt.tokens, plan, wire)
 
@@ -89,10 +92,11 @@ class RenderedPrompt:
     tokens: list[int]
     parser: OutputParser | None
     parent: StoredResponse | None  # the stored response whose conversation this one extends
+    pins: tuple[Pin, ...] = ()  # one per prompt_cache_breakpoint written
 
 
-async def response_prompt(gateway: Gateway, body: ResponsesRequest,
-                          owner: str) -> RenderedPrompt:
+async def response_prompt(gateway: Gateway, body: ResponsesRequest, owner: str,
+                          with_pins: bool = False) -> RenderedPrompt:
     """The prompt of a Responses request, continuing the owner's stored response it names
     (POST /v1/responses and /v1/cache/explain)."""
     previous = None
@@ -101,11 +105,11 @@ async def response_prompt(gateway: Gateway, body: ResponsesRequest,
         if previous is None:
             raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
                           "previous_response_id", "previous_response_not_found")
-    return await asyncio.to_thread(_render, gateway, body, body.toolbox(), previous)
+    return await asyncio.to_thread(_render, gateway, body, body.toolbox(), previous, with_pins)
 
 
 def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
-            previous: StoredResponse | None) -> RenderedPrompt:
+            previous: StoredResponse | None, with_pins: bool = False) -> RenderedPrompt:
     """The prompt. A continuation of a stored response with the same instructions and tools
     starts from that response's own tokens (its prompt's and its generated ones), followed by
     the new input as the template renders the next turn: its history is never tokenized again,
@@ -116,19 +120,40 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
     tools_text = toolbox.system_text() if toolbox is not None else ""
     text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
                                        body.reasoning_settings(), "input")
-    previous_text = previous.all_text() if previous else ""
+    continued = previous is not None and previous.instructions == body.instructions \
+        and previous.tools_text == tools_text
+    tokens = _tokens(gateway, text, previous if continued else None)
     parent = None
-    if previous is not None and previous.instructions == body.instructions \
-            and previous.tools_text == tools_text and text.startswith(previous_text):
-        tokens = previous.all_tokens() \
-            + gateway.prompts.tokenize_rendered(text[len(previous_text):])
-        # Its history as it was (the input may add a call to the last assistant turn).
-        if all(kept is same for kept, same in zip(history, turns, strict=False)):
-            parent = previous
-    else:
-        tokens = gateway.prompts.tokenize_rendered(text)
+    # Its history as it was (the input may add a call to the last assistant turn).
+    if continued and text.startswith(previous.all_text()) \
+            and all(kept is same for kept, same in zip(history, turns, strict=False)):
+        parent = previous
+    pins = []
+    whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
+    for i, p, seconds in body.cache_breakpoints() if with_pins else ():
+        # The input cut after the marked part: as far as it renders the same, it is pinned
+        # (a cut the template cannot render pins nothing).
+        try:
+            cut = gateway.prompts.render_chat(
+                with_instructions(body.cut(i, p).turns(history), body.instructions), toolbox,
+                body.reasoning_settings(), "input")
+        except APIError:
+            continue
+        reach = common_prefix(whole, np.asarray(
+            _tokens(gateway, cut, previous if continued else None)))
+        pins.append(Pin(reach, min(seconds, longest)))
     return RenderedPrompt(turns, tools_text, text, tokens,
-                          gateway.prompts.parser(toolbox, text), parent)
+                          gateway.prompts.parser(toolbox, text), parent, tuple(pins))
+
+
+def _tokens(gateway: Gateway, text: str, previous: StoredResponse | None) -> list[int]:
+    """A rendered prompt's tokens: a continuation whose text extends the stored response's
+    starts from that response's own tokens."""
+    previous_text = previous.all_text() if previous else ""
+    if previous is not None and text.startswith(previous_text):
+        return previous.all_tokens() + gateway.prompts.tokenize_rendered(
+            text[len(previous_text):])
+    return gateway.prompts.tokenize_rendered(text)
 
 
 def _answer(choice: Choice) -> Message:

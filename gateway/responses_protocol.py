@@ -38,6 +38,7 @@ from gateway.protocol import (
     Tool,
     _require_schema_name,
     _Strict,
+    written_breakpoints,
 )
 from gateway.structured import Grammar, grammar_for
 from gateway.tools import Toolbox
@@ -52,8 +53,7 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_
 class InputText(_Strict):
     type: Literal["input_text"]
     text: str
-    # Accepted; pins nothing here yet (chat's pin: gateway/openai_api.py _breakpoint_pins).
-    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # pins up to this part
 
 
 class OutputText(_Strict):
@@ -312,6 +312,21 @@ class ResponsesRequest(_Strict):
                               f".compact_threshold ({entry.compact_threshold}): compaction is "
                               "not supported by this server", f"context_management[{i}]",
                               "unsupported")
+
+    def cache_breakpoints(self) -> list[tuple[int, int, float]]:
+        """The input_text parts marked with prompt_cache_breakpoint (written_breakpoints)."""
+        return written_breakpoints(
+            [(i, p, part.prompt_cache_breakpoint) for i, item in enumerate(self.items())
+             if isinstance(item, MessageItem) and isinstance(item.content, list)
+             for p, part in enumerate(item.content)
+             if isinstance(part, InputText) and part.prompt_cache_breakpoint],
+            self.prompt_cache_options)
+
+    def cut(self, i: int, p: int) -> ResponsesRequest:
+        """The request whose input ends with part p of item i."""
+        items = self.items()
+        last = items[i].model_copy(update={"content": items[i].content[: p + 1]})
+        return self.model_copy(update={"input": [*items[:i], last]})
 
     def items(self) -> list:
         if isinstance(self.input, str):

@@ -83,22 +83,31 @@ def test_a_pinned_prefix_survives_a_flood_until_its_pin_expires(tiny_pool, pin_c
     tiny_pool.settled()
 
 
-def test_a_prompt_cache_breakpoint_pins_the_prompt_up_to_its_part(model_path, model_name):
-    """openai 3.63's explicit breakpoint on a chat text part: the system part marked, the prompt
-    up to it outlives a flood that takes the same prompt unmarked (plain LRU across tenants,
-    pins of --pin-hours' default, far longer than the test however slow the machine)."""
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_prompt_cache_breakpoint_pins_the_prompt_up_to_its_part(model_path, model_name, api):
+    """openai 3.63's explicit breakpoint on a text part: the system part marked, the prompt up
+    to it outlives a flood that takes the same prompt unmarked (plain LRU across tenants, pins
+    of --pin-hours' default, far longer than the test however slow the machine)."""
     server = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--cache-mb",
-                            "6", "--pin-budget-mb", "3", "--tenant-cache-share", "1")
+                            "6", "--pin-budget-mb", "3", "--tenant-cache-share", "1",
+                            "--temperature", "0")
     client = openai_client(server)
 
     def ask(system: str, marked: bool) -> int:
         mark = {"prompt_cache_breakpoint": {"mode": "explicit"}} if marked else {}
-        r = client.chat.completions.create(
-            model=model_name, max_tokens=4, temperature=0,
-            prompt_cache_options={"mode": "explicit", "ttl": "30m"}, messages=[
-                {"role": "system", "content": [{"type": "text", "text": system, **mark}]},
-                {"role": "user", "content": "Say one word."}])
-        return r.usage.prompt_tokens_details.cached_tokens
+        options = {"mode": "explicit", "ttl": "30m"}
+        if api == "chat":
+            return client.chat.completions.create(
+                model=model_name, max_tokens=4, prompt_cache_options=options, messages=[
+                    {"role": "system", "content": [{"type": "text", "text": system, **mark}]},
+                    {"role": "user", "content": "Say one word."}]
+            ).usage.prompt_tokens_details.cached_tokens
+        return client.responses.create(
+            model=model_name, max_output_tokens=4, store=False, prompt_cache_options=options,
+            input=[{"role": "developer", "content": [
+                {"type": "input_text", "text": system, **mark}]},
+                {"role": "user", "content": "Say one word."}]
+        ).usage.input_tokens_details.cached_tokens
 
     try:
         ask(story("The lighthouse"), marked=True)
