@@ -21,6 +21,26 @@ from tests.local_engine import LocalEngine, recorded, streaming
 TRUE_COST = StepCost(fixed=0.010, per_decode=0.003, per_prompt=0.002)
 
 
+
+async def final(local: LocalEngine, request: GenerationRequest):
+    """The request's last output."""
+    async for output in local.submit(request).outputs():
+        last = output
+    return last
+
+
+async def beside_a_stream(local: LocalEngine, stream: GenerationRequest,
+                          beside: GenerationRequest) -> list:
+    """The last outputs of `stream` and of `beside`, which joins it at the step `streaming`
+    holds the engine at, the same on any machine."""
+    hold = streaming(local)
+    stream_task = asyncio.create_task(final(local, stream))
+    await hold.wait()
+    beside_task = asyncio.create_task(final(local, beside))
+    await asyncio.sleep(0)  # it runs up to its first wait: submitted
+    hold.release()
+    return await asyncio.gather(stream_task, beside_task)
+
 def test_the_fit_finds_a_linear_cost_through_noise():
     fit = StepCostFit()
     rng = np.random.default_rng(0)
@@ -137,25 +157,10 @@ def test_a_stream_is_decoded_apart_from_a_prompt_chunk_and_keeps_its_tokens(loca
                                max_tokens=2, ignore_eos=True,
                                sampler=SamplerSettings(temperature=0.0))
 
-    async def generated(request):
-        async for output in local.submit(request).outputs():
-            last = output
-        return last.generated
-
-    async def with_a_prompt_beside():
-        hold = streaming(local)
-        stream_task = asyncio.create_task(generated(stream))
-        await hold.wait()
-        beside_task = asyncio.create_task(generated(beside))
-        await asyncio.sleep(0)  # it runs up to its first wait: submitted
-        hold.release()
-        await beside_task
-        return await stream_task
-
     try:
-        alone = asyncio.run(generated(stream))
+        alone = asyncio.run(final(local, stream)).generated
         calls.clear()
-        assert asyncio.run(with_a_prompt_beside()) == alone
+        assert asyncio.run(beside_a_stream(local, stream, beside))[0].generated == alone
         stream_slot = max(calls[0])  # the stream ran alone in its first calls
         chunks = [i for i, rows in enumerate(calls) if any(n > 1 for n in rows.values())]
         assert chunks, "the prompt beside was never computed"
@@ -198,24 +203,10 @@ def test_a_prompt_call_without_cells_after_the_decodes_preempts_and_loses_nothin
                                max_tokens=4, ignore_eos=True,
                                sampler=SamplerSettings(temperature=0.0))
 
-    async def final(request):
-        async for output in local.submit(request).outputs():
-            last = output
-        return last
-
-    async def with_a_prompt_beside():
-        hold = streaming(local)
-        stream_task = asyncio.create_task(final(stream))
-        await hold.wait()
-        beside_task = asyncio.create_task(final(beside))
-        await asyncio.sleep(0)  # it runs up to its first wait: submitted
-        hold.release()
-        return await asyncio.gather(stream_task, beside_task)
-
     try:
-        alone = asyncio.run(final(stream)).generated
+        alone = asyncio.run(final(local, stream)).generated
         local.engine.ctx.decode = full_once
-        streamed, prompted = asyncio.run(with_a_prompt_beside())
+        streamed, prompted = asyncio.run(beside_a_stream(local, stream, beside))
         assert refused, "the prompt's call was never refused"
         assert local.settled().preemptions == 1
         assert streamed.error is None and streamed.generated == alone
