@@ -404,6 +404,7 @@ RequestT = TypeVar("RequestT", bound=_Strict)
 
 
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:
+    bounds.refuse_long_lists(model, body)
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:

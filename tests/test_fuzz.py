@@ -150,3 +150,39 @@ def test_a_list_past_its_bound_is_told_its_own_bound_not_another_branchs():
     with pytest.raises(APIError) as refused:
         parse_request(CompletionRequest, json.dumps(body).encode())
     assert refused.value.param == "prompt" and str(bounds.TOKEN_IDS) in refused.value.message
+
+
+def test_a_large_bodys_long_lists_are_refused_before_any_item_is_validated(monkeypatch):
+    """Pydantic builds every item of a list before it counts them (10,001 messages: tens of
+    milliseconds of the event loop): a large body's lists are counted first, nested ones too,
+    and one within every bound is validated as before."""
+    import pytest
+
+    from gateway import bounds
+    from gateway.anthropic_protocol import MessagesRequest
+    from gateway.errors import APIError
+    from gateway.protocol import ChatCompletionRequest, parse_request
+
+    def never(*_args, **_kwargs):
+        pytest.fail("a list past its bound was validated item by item")
+
+    user = {"role": "user", "content": "x" * 40}
+    part = {"type": "text", "text": "x"}
+    too_long = {
+        "messages": {"model": "m", "messages": [user] * (bounds.MESSAGES + 1)},
+        "messages[1].content": {"model": "m", "messages": [
+            user, {"role": "user", "content": [part] * (bounds.PARTS + 1)},
+            *[user] * 2000]},
+    }
+    with monkeypatch.context() as patched:
+        patched.setattr(ChatCompletionRequest, "model_validate_json", never)
+        for param, request in too_long.items():
+            data = json.dumps(request).encode()
+            assert len(data) > bounds.MEASURED_BODY_BYTES
+            with pytest.raises(APIError) as refused:
+                parse_request(ChatCompletionRequest, data)
+            assert refused.value.param == param, refused.value.message
+    blocks = {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [part] * bounds.PARTS}] * 20}
+    within = parse_request(MessagesRequest, json.dumps(blocks).encode())
+    assert len(within.messages) == 20 and len(within.messages[0].content) == bounds.PARTS
