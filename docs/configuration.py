@@ -99,6 +99,7 @@ NOTES = {
                            "(llama-server answers any origin).",
     "--rate-limit-rpm": "Over a sliding minute; past either limit, 429 with the seconds to wait "
                         "in `Retry-After`.",
+    "--max-tokens": "Unset, a request may ask for as many as the context has room for.",
     "--request-timeout": "A stream gets an error event, then `[DONE]`.",
 }
 

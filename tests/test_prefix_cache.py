@@ -2,9 +2,10 @@
 on the test chats, and `cached_tokens` says how much of each prompt was loaded or shared instead
 of computed. In the two modes that promise it: `--deterministic`, and the default mode with
 `--no-flash-attn`. With flash attention (the default) a cached prompt's last tokens take another
-attention kernel than the whole prompt did (see README, Engine modes), so there the cache is
-checked against llama-cpp-python's exact tokens for short prompts (tests/test_reference.py) and
-its greedy choices within rounding noise (tests/test_preemption.py)."""
+attention kernel than the whole prompt did (see docs/architecture.md, Engine modes), so there
+the cache is checked against llama-cpp-python's exact tokens for short prompts
+(tests/test_reference.py) and its greedy choices within rounding noise
+(tests/test_preemption.py)."""
 
 from __future__ import annotations
 

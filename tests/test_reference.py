@@ -94,7 +94,8 @@ def computing_client(model_path, mode):
 @pytest.fixture(scope="module")
 def solo_client(model_path, mode):
     """A cached gateway of this module's own, whose pool only requests run alone fill: blocks
-    computed beside other requests carry their batch's rounding (see README, Engine modes)."""
+    computed beside other requests carry their batch's rounding (see docs/architecture.md,
+    Engine modes)."""
     yield from _gateway(model_path, mode)
 
 

@@ -218,8 +218,8 @@ def test_a_prediction_is_drafted_from_and_counted(local_model):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_greedy_output_is_the_same_with_drafts(local_model, deterministic):
     """The default mode's output is a request's own when it runs alone (beside others, the
-    batch's shape rounds its logits: README, Engine modes), so there one at a time; the
-    deterministic mode's whatever runs beside it, so there all at once."""
+    batch's shape rounds its logits: docs/architecture.md, Engine modes), so there one at a
+    time; the deterministic mode's whatever runs beside it, so there all at once."""
     requests = [_greedy(_chat_tokens(local_model, chat)) for chat in CHATS.values()]
     config = EngineConfig(deterministic=deterministic, speculation=False,
                           cache=CacheConfig(budget_mb=64))
