@@ -8,8 +8,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.auth import bearer_matches
-from gateway.errors import APIError
+from gateway.edge.auth import bearer_matches
+from gateway.edge.errors import APIError
 from gateway.generation import json_response
 from gateway.service import Gateway
 

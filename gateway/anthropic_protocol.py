@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway import bounds
 from gateway.bounds import at_most
 from gateway.chat_formats import Reasoning
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 from gateway.protocol import (
     CalledFunction,
     CalledTool,

@@ -16,7 +16,7 @@ import uuid
 
 from engine.messages import Output, Usage
 from gateway.chat_formats import OutputParser, Part
-from gateway.errors import APIError
+from gateway.edge.errors import APIError
 from gateway.generation import Choice, Event, Growth, Wire
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}

@@ -19,7 +19,7 @@ from annotated_types import MaxLen
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 
 STOP_STRINGS = 4  # chat and completions' `stop` (OpenAI's bound)
 STOP_SEQUENCES = 64  # Anthropic's `stop_sequences` (it documents none)

@@ -22,7 +22,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 from gateway.structured import (
     MAX_GRAMMAR_BYTES,
     Grammar,

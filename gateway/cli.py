@@ -11,9 +11,9 @@ from pathlib import Path
 
 from cache.redis_tier import TierConfig
 from engine.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
-from gateway.auth import KeyFileError, KeyRing
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
-from gateway.ratelimit import RateLimits
+from gateway.edge.auth import KeyFileError, KeyRing
+from gateway.edge.ratelimit import RateLimits
 from gateway.router import POLICIES, RoutingConfig
 
 

@@ -28,8 +28,8 @@ from aiohttp import web
 
 from cache.index import namespace_hash
 from cache.tokens import COMPUTED_TAIL, resume_point
-from gateway.auth import bearer_matches
-from gateway.errors import APIError, invalid
+from gateway.edge.auth import bearer_matches
+from gateway.edge.errors import APIError, invalid
 from gateway.generation import admit, json_response
 from gateway.openai_api import chat_prompt, completion_prompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Message, parse_request

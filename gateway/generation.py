@@ -25,7 +25,7 @@ from aiohttp import web
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
 from gateway.cache_sources import HEADER, Held, header_value, held_for
 from gateway.chat_formats import OutputParser, Part
-from gateway.errors import APIError, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.handles import GenerationHandle
 from gateway.service import Gateway
 from gateway.shared_pool import SharedPool

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from cache.tokens import common_prefix
 from gateway.chat_formats import OutputParser, Reasoning, call_grammar_of
-from gateway.errors import APIError, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai_wire import ChatWire, CompletionWire
 from gateway.prompts import ChatPrompt

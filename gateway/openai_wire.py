@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.messages import Output, TokenLogprob, Usage
 from gateway.chat_formats import OutputParser, Part
-from gateway.errors import APIError
+from gateway.edge.errors import APIError
 from gateway.generation import Choice, Event, Growth, Wire
 
 TokenBytes = Callable[[int], bytes]

@@ -13,7 +13,7 @@ from llama_cpp import llama_chat_format
 from engine.llama import Model
 from gateway.builtin_templates import BuiltinTemplate
 from gateway.chat_formats import TEMPLATE_DEFAULT, ChatFormat, OutputParser, Reasoning, detect
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 from gateway.protocol import Message
 from gateway.tools import Toolbox
 

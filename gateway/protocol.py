@@ -22,7 +22,7 @@ from engine.messages import GenerationRequest, SamplerSettings
 from gateway import bounds
 from gateway.bounds import at_most
 from gateway.config import SamplingDefaults
-from gateway.errors import APIError, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.structured import Grammar, grammar_for
 from gateway.tools import Toolbox
 

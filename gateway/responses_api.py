@@ -16,7 +16,7 @@ from aiohttp import web
 from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.chat_formats import OutputParser, call_grammar_of
-from gateway.errors import APIError, invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
 from gateway.protocol import (
     CalledFunction,

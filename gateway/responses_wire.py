@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from engine.messages import Output, TokenLogprob, Usage
 from gateway.chat_formats import OutputParser, Part
-from gateway.errors import APIError
+from gateway.edge.errors import APIError
 from gateway.generation import Choice, Event, Growth, Wire
 
 

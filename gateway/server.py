@@ -24,8 +24,8 @@ from gateway import (
     responses_api,
     tokens_api,
 )
-from gateway.auth import KeyRing, bearer_matches
-from gateway.errors import APIError, Shape
+from gateway.edge.auth import KeyRing, bearer_matches
+from gateway.edge.errors import APIError, Shape
 from gateway.service import HISTORY_STEP, Gateway, ServerConfig
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from cache.fingerprint import gguf_fingerprint
 from engine.llama import Model
-from gateway.auth import KeyRing
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
-from gateway.errors import APIError
-from gateway.metrics import Metrics, draft_counts
+from gateway.edge.auth import KeyRing
+from gateway.edge.errors import APIError
+from gateway.edge.metrics import Metrics, draft_counts
+from gateway.edge.ratelimit import RateLimiter, RateLimits
 from gateway.prompts import PromptBuilder
-from gateway.ratelimit import RateLimiter, RateLimits
 from gateway.response_store import ResponseStore
 from gateway.shared_responses import SharedResponses
 from gateway.supervisor import Workers

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llama_cpp import llama_grammar
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 
 # Keywords the converter enforces, or that do not constrain output (annotations).
 _ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems",

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine.llama import Model
 from gateway.chat_formats import Reasoning
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 from gateway.generation import admit, json_response
 from gateway.protocol import (
     ChatCompletionRequest,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.errors import invalid
+from gateway.edge.errors import invalid
 from gateway.structured import grammar_for
 
 TOOL_PROMPT = ("You can call tools. To call one, answer with only a JSON object "

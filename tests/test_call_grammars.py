@@ -13,7 +13,7 @@ import pytest
 from engine.llama import Sampler
 from engine.messages import SamplerSettings
 from gateway.chat_formats import OutputParser, Part, detect
-from gateway.errors import APIError
+from gateway.edge.errors import APIError
 from gateway.protocol import NamedToolChoice, Tool
 from gateway.tools import Toolbox
 from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, write_call

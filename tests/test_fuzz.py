@@ -144,7 +144,7 @@ def test_a_list_past_its_bound_is_told_its_own_bound_not_another_branchs():
     import pytest
 
     from gateway import bounds
-    from gateway.errors import APIError
+    from gateway.edge.errors import APIError
     from gateway.protocol import CompletionRequest, parse_request
     body = {"model": "m", "prompt": [1] * (bounds.TOKEN_IDS + 1)}
     with pytest.raises(APIError) as refused:
@@ -160,7 +160,7 @@ def test_a_large_bodys_long_lists_are_refused_before_any_item_is_validated(monke
 
     from gateway import bounds
     from gateway.anthropic_protocol import MessagesRequest
-    from gateway.errors import APIError
+    from gateway.edge.errors import APIError
     from gateway.protocol import ChatCompletionRequest, parse_request
 
     def never(*_args, **_kwargs):

@@ -20,7 +20,7 @@ from cache.index import IndexSnapshot
 from cache.redis_tier import TierStats
 from engine.messages import CacheStats, EngineSnapshot, Output
 from engine.speculation import SOURCES
-from gateway.prefill_speed import PrefillSpeed
+from gateway.edge.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
     from gateway.response_store import ResponseStore
