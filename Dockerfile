@@ -48,8 +48,8 @@ COPY --from=builder /wheels /tmp/wheels
 RUN pip install --no-index --find-links /tmp/wheels prefixgate && rm -rf /tmp/wheels
 
 # A non-root user (uid 10001, as deploy/k8s/deployment.yaml's runAsUser) owns the model and
-# cache directories. /models is where gateway.model_store keeps the default model
-# (PREFIXGATE_MODEL_DIR is read by gateway/model_store.py; it is not a flag).
+# cache directories. /models is where gateway.workers.model_store keeps the default model
+# (PREFIXGATE_MODEL_DIR is read by gateway/workers/model_store.py; it is not a flag).
 RUN groupadd --system --gid 10001 prefixgate \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/prefixgate \
         --shell /usr/sbin/nologin prefixgate \
@@ -62,7 +62,7 @@ WORKDIR /home/prefixgate
 # container starts without network. FETCH_MODEL=0 leaves it out: mount a GGUF and set
 # PREFIXGATE_MODEL, or let the gateway fetch the default into /models on first start.
 ARG FETCH_MODEL=1
-RUN if [ "$FETCH_MODEL" = "1" ]; then python -m gateway.model_store; fi
+RUN if [ "$FETCH_MODEL" = "1" ]; then python -m gateway.workers.model_store; fi
 
 EXPOSE 8000
 # 200 while serving (also "degraded": a worker is being replaced, the others serve); urlopen

@@ -1,10 +1,10 @@
 """An engine worker process: one llama.cpp context, fed requests by the gateway.
 
-Started by the gateway (gateway/supervisor.py) with one end of a connection. It loads the model,
-reports its KV layout (`Ready`), attaches to the arena the gateway names (`Attach`), then runs
-the engine thread while this process's main thread reads the connection. The outputs of a step
-leave together, in one message, when the engine publishes its snapshot; the cache index calls
-the engine thread makes wait for their replies, which the main thread hands over.
+Started by the gateway (gateway/workers/supervisor.py) with one end of a connection. It loads
+the model, reports its KV layout (`Ready`), attaches to the arena the gateway names (`Attach`),
+then runs the engine thread while this process's main thread reads the connection. The outputs
+of a step leave together, in one message, when the engine publishes its snapshot; the cache
+index calls the engine thread makes wait for their replies, which the main thread hands over.
 """
 
 from __future__ import annotations

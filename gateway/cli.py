@@ -14,7 +14,7 @@ from engine.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
-from gateway.router import POLICIES, RoutingConfig
+from gateway.workers.router import POLICIES, RoutingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
-    from gateway.model_store import default_model_path
     from gateway.server import serve
     from gateway.service import ServerConfig
+    from gateway.workers.model_store import default_model_path
 
     try:
         keys = KeyRing.load(args.api_keys_file, os.environ.get("PREFIXGATE_API_KEYS"),

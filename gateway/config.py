@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cache.redis_tier import TierConfig
 from engine.config import EngineConfig
-from gateway.router import RoutingConfig
+from gateway.workers.router import RoutingConfig
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenL
 from gateway.cache_sources import HEADER, Held, header_value, held_for
 from gateway.chat_formats import OutputParser, Part
 from gateway.edge.errors import APIError, invalid
-from gateway.handles import GenerationHandle
 from gateway.service import Gateway
-from gateway.shared_pool import SharedPool
-from gateway.supervisor import Overloaded
+from gateway.workers.handles import GenerationHandle
+from gateway.workers.shared_pool import SharedPool
+from gateway.workers.supervisor import Overloaded
 
 log = logging.getLogger(__name__)
 

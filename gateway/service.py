@@ -22,7 +22,7 @@ from gateway.edge.ratelimit import RateLimiter, RateLimits
 from gateway.prompts import PromptBuilder
 from gateway.response_store import ResponseStore
 from gateway.shared_responses import SharedResponses
-from gateway.supervisor import Workers
+from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import anthropic
 import numpy as np
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import ROOT, ServerProcess
 
 RECORDED = ROOT / "tests" / "fixtures" / "claude_code_2.1.328_request.json"

@@ -39,7 +39,7 @@ from engine.batching import Engine
 from engine.config import CacheConfig, EngineConfig
 from engine.llama import Model, openmp_build
 from engine.messages import GenerationRequest, Output, SamplerSettings
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import ROOT, GatewayProcess
 
 N_CTX = 16384  # the engine's default: one unified pool of cells

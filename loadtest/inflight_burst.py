@@ -18,7 +18,7 @@ import statistics
 
 from aiohttp import ClientSession, ClientTimeout
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import GatewayProcess
 

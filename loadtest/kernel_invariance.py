@@ -46,7 +46,7 @@ import numpy as np
 
 from engine.config import ContextShape
 from engine.llama import Batch, Context, Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 
 N_SEQ = 8
 N_CTX = N_SEQ * 2048  # per-sequence streams get 2,048 cells each

@@ -26,7 +26,7 @@ from pathlib import Path
 from aiohttp import ClientSession, ClientTimeout
 
 from gateway import bounds
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, GatewayProcess
 

@@ -20,7 +20,7 @@ import time
 import redis
 from aiohttp import ClientSession
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess, free_port
 from loadtest.prefix_figures import ask, system_prompt
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import openai
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import ROOT, ServerProcess
 
 RECORDED = ROOT / "tests" / "fixtures" / "codex_0.169.0_request.json"

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from engine.llama import Model
-from gateway.model_store import GEMMA3_270M, model_path
+from gateway.workers.model_store import GEMMA3_270M, model_path
 from loadtest.bench import (
     RunningServer,
     System,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess
 
 SYSTEMS = [f"You are the assistant of shop number {i}. Be brief and friendly. " * 12

@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.config import ContextShape
 from engine.llama import Batch, Context, Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 
 SEQUENCES, CELLS_EACH, DECODES, PROMPT = 8, 300, 7, 272
 CHUNKS = (16, 64, 128, 256)

@@ -37,7 +37,7 @@ import numpy as np
 import redis
 from aiohttp import ClientSession, ClientTimeout
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, GatewayProcess, free_port
 from loadtest.prefix_figures import system_prompt

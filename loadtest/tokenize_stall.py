@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from aiohttp import ClientSession
 
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, GatewayProcess
 

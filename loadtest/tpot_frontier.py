@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from engine.llama import Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.bench import (
     FULL,
     RunningServer,

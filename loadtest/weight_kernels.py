@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.config import ContextShape
 from engine.llama import Batch, Context, Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 
 FILE_TYPES = {"q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0,
               "q4_k_m": lc.LLAMA_FTYPE_MOSTLY_Q4_K_M, "iq4_nl": lc.LLAMA_FTYPE_MOSTLY_IQ4_NL}

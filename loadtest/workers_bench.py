@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from engine.llama import Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.bench import FULL, System, measure, serving, stream_layout
 from loadtest.gateway_process import ROOT
 from loadtest.workloads import TextMaker, many_streams, shared_prefix

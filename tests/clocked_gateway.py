@@ -1,6 +1,6 @@
 """The gateway with a clock its test moves: pins are set and expire by it (SharedPool.clock in
-gateway/shared_pool.py), so a pin outlives a flood however long a busy machine takes over it,
-and expires when the test moves the clock past it. Only the tests start it (`python -m
+gateway/workers/shared_pool.py), so a pin outlives a flood however long a busy machine takes over
+it, and expires when the test moves the clock past it. Only the tests start it (`python -m
 tests.clocked_gateway --clock FILE <gateway flags>`); the production entry point (`python -m
 gateway`, the image) has no flag, no environment variable and no code that sets the clock.
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from gateway.cli import main
-from gateway.shared_pool import SharedPool
+from gateway.workers.shared_pool import SharedPool
 from loadtest.gateway_process import GatewayProcess
 
 

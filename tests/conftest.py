@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from engine.llama import Model
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess, free_port
 from tests.clocked_gateway import TestClock
 

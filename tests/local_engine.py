@@ -18,7 +18,7 @@ from engine.batching import Engine
 from engine.config import EngineConfig
 from engine.llama import Model
 from engine.messages import EngineSnapshot, GenerationRequest
-from gateway.handles import GenerationHandle
+from gateway.workers.handles import GenerationHandle
 
 
 @dataclass

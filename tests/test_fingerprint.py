@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from cache.fingerprint import gguf_fingerprint
-from gateway.model_store import default_model_path
+from gateway.workers.model_store import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import dataclasses
 
 from engine.config import CacheConfig, EngineConfig
 from engine.messages import GenerationRequest, SamplerSettings
-from gateway.handles import GenerationHandle
+from gateway.workers.handles import GenerationHandle
 from tests.local_engine import Hold, LocalEngine, recorded, streaming
 
 # No cache: the same prompt is computed each time; no drafts: a pool call's rows are decodes.

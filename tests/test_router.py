@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.affinity import CacheKeyAffinity
-from gateway.router import Router, RoutingConfig, WorkerLoad
+from gateway.workers.affinity import CacheKeyAffinity
+from gateway.workers.router import Router, RoutingConfig, WorkerLoad
 
 BLOCK = 16
 SYSTEM = np.arange(256, dtype=np.int32)

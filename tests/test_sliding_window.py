@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache.tokens import most_cached
-from gateway.model_store import GEMMA3_270M, model_path
+from gateway.workers.model_store import GEMMA3_270M, model_path
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import (
     across_a_restart,

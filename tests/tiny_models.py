@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from gateway.model_store import MODEL_DIR, default_model_path
+from gateway.workers.model_store import MODEL_DIR, default_model_path
 
 N_EMBD = 64
 

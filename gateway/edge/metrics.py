@@ -24,8 +24,8 @@ from gateway.edge.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
     from gateway.response_store import ResponseStore
-    from gateway.shared_pool import TierHits
-    from gateway.supervisor import Workers, WorkerView
+    from gateway.workers.shared_pool import TierHits
+    from gateway.workers.supervisor import Workers, WorkerView
 
 REFUSAL_REASONS = ("capacity", "rate_limit")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)

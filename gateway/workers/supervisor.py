@@ -1,6 +1,6 @@
 """The supervisor of the engine worker processes: starting them, routing requests to them,
 reading what they send, and replacing one that dies. The shared pool's side of their index
-calls is gateway/shared_pool.py; the asyncio side of a request, gateway/handles.py.
+calls is gateway/workers/shared_pool.py; the asyncio side of a request, gateway/workers/handles.py.
 
 Each worker gets a `multiprocessing` connection (a Unix socket pair: message framing and
 pickling of plain dataclasses from the standard library, no broker; see README "Workers").
@@ -43,11 +43,11 @@ from engine.messages import (
     Shutdown,
     Submit,
 )
-from gateway.affinity import CacheKeyAffinity
 from gateway.config import WorkersConfig
-from gateway.handles import GenerationHandle, deliver_soon
-from gateway.router import Router, WorkerLoad
-from gateway.shared_pool import INDEX_CALLS, SharedPool, TierHits
+from gateway.workers.affinity import CacheKeyAffinity
+from gateway.workers.handles import GenerationHandle, deliver_soon
+from gateway.workers.router import Router, WorkerLoad
+from gateway.workers.shared_pool import INDEX_CALLS, SharedPool, TierHits
 
 log = logging.getLogger(__name__)
 
