@@ -18,12 +18,12 @@ from aiohttp import web
 from gateway import (
     admin_api,
     anthropic_api,
-    cors,
     explain_api,
     openai_api,
     responses_api,
     tokens_api,
 )
+from gateway.edge import cors
 from gateway.edge.auth import KeyRing, bearer_matches
 from gateway.edge.errors import APIError, Shape
 from gateway.service import HISTORY_STEP, Gateway, ServerConfig

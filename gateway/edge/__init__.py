@@ -1,1 +1,2 @@
-"""edge"""
+"""The HTTP edge: who is asking (API keys, tenants), browsers (CORS), how often (rate limits),
+errors in each API's own shape, and the Prometheus metrics."""
