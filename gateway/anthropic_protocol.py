@@ -1,5 +1,5 @@
 """Anthropic's Messages request bodies, validated strictly, and their translation into the chat
-messages and tools the one prompt path renders (gateway/prompts.py).
+messages and tools the one prompt path renders (gateway/formats/prompts.py).
 
 `thinking` turns a reasoning model's thinking on or off where its template can, and
 `output_config.effort` gives its level to a template that takes one; `output_config.format` is
@@ -25,8 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import bounds
 from gateway.bounds import at_most
-from gateway.chat_formats import Reasoning
 from gateway.edge.errors import invalid
+from gateway.formats.chat_formats import Reasoning
+from gateway.formats.structured import Grammar, grammar_for
+from gateway.formats.tools import Toolbox
 from gateway.protocol import (
     CalledFunction,
     CalledTool,
@@ -37,8 +39,6 @@ from gateway.protocol import (
     Tool,
     _Strict,
 )
-from gateway.structured import Grammar, grammar_for
-from gateway.tools import Toolbox
 
 # Claude Code's first system block: a billing line whose value changes with every conversation
 # (`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;`). Kept in the

@@ -15,8 +15,8 @@ import json
 import uuid
 
 from engine.messages import Output, Usage
-from gateway.chat_formats import OutputParser, Part
 from gateway.edge.errors import APIError
+from gateway.formats.chat_formats import OutputParser, Part
 from gateway.generation import Choice, Event, Growth, Wire
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}

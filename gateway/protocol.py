@@ -23,8 +23,8 @@ from gateway import bounds
 from gateway.bounds import at_most
 from gateway.config import SamplingDefaults
 from gateway.edge.errors import APIError, invalid
-from gateway.structured import Grammar, grammar_for
-from gateway.tools import Toolbox
+from gateway.formats.structured import Grammar, grammar_for
+from gateway.formats.tools import Toolbox
 
 NO_DEFAULTS = SamplingDefaults()  # the sampling OpenAI's API defines for what is left out
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -219,7 +219,8 @@ class _Sampling(_Strict):
                       max_tokens_cap: int | None = None, namespace: str = "",
                       defaults: SamplingDefaults = NO_DEFAULTS,
                       calls: Grammar | None = None) -> GenerationRequest:
-        """`calls`: the grammar of tool calls in the model's syntax (gateway/call_grammars.py)."""
+        """`calls`: the grammar of tool calls in the model's syntax
+        (gateway/formats/call_grammars.py)."""
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
             max_tokens=completion_room(

@@ -15,8 +15,9 @@ from aiohttp import web
 
 from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
-from gateway.chat_formats import OutputParser, call_grammar_of
 from gateway.edge.errors import APIError, invalid
+from gateway.formats.chat_formats import OutputParser, call_grammar_of
+from gateway.formats.tools import Toolbox
 from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
 from gateway.protocol import (
     CalledFunction,
@@ -31,7 +32,6 @@ from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire
 from gateway.service import Gateway
 from gateway.shared_responses import DELETED
-from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"

@@ -24,8 +24,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway import bounds
 from gateway.bounds import at_most
-from gateway.chat_formats import Reasoning
 from gateway.edge.errors import invalid
+from gateway.formats.chat_formats import Reasoning
+from gateway.formats.structured import Grammar, grammar_for
+from gateway.formats.tools import Toolbox
 from gateway.protocol import (
     CalledFunction,
     CalledTool,
@@ -40,8 +42,6 @@ from gateway.protocol import (
     _Strict,
     written_breakpoints,
 )
-from gateway.structured import Grammar, grammar_for
-from gateway.tools import Toolbox
 
 NAMESPACE_SEPARATOR = "__"
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",

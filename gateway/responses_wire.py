@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable
 
 from engine.messages import Output, TokenLogprob, Usage
-from gateway.chat_formats import OutputParser, Part
 from gateway.edge.errors import APIError
+from gateway.formats.chat_formats import OutputParser, Part
 from gateway.generation import Choice, Event, Growth, Wire
 
 

@@ -19,7 +19,7 @@ from gateway.edge.auth import KeyRing
 from gateway.edge.errors import APIError
 from gateway.edge.metrics import Metrics, draft_counts
 from gateway.edge.ratelimit import RateLimiter, RateLimits
-from gateway.prompts import PromptBuilder
+from gateway.formats.prompts import PromptBuilder
 from gateway.response_store import ResponseStore
 from gateway.shared_responses import SharedResponses
 from gateway.workers.supervisor import Workers

@@ -9,8 +9,8 @@ import asyncio
 from aiohttp import web
 
 from engine.llama import Model
-from gateway.chat_formats import Reasoning
 from gateway.edge.errors import invalid
+from gateway.formats.chat_formats import Reasoning
 from gateway.generation import admit, json_response
 from gateway.protocol import (
     ChatCompletionRequest,

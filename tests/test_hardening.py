@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.prompts import PromptBuilder
+from gateway.formats.prompts import PromptBuilder
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 

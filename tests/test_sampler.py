@@ -10,7 +10,7 @@ from engine import llama
 from engine.config import ContextShape
 from engine.llama import Batch, Candidates, Context, Sampler
 from engine.messages import SamplerSettings
-from gateway.structured import grammar_for
+from gateway.formats.structured import grammar_for
 from loadtest.workloads import RECORD_SCHEMA
 
 

@@ -1,4 +1,4 @@
-"""Grammars for tool calls in the model's own syntax (gateway/chat_formats.py).
+"""Grammars for tool calls in the model's own syntax (gateway/formats/chat_formats.py).
 
 - A required call (`tool_choice` required, any, or a named function) is generated under a
   grammar of the format's call syntax from the first token: the calls' names are the offered
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.edge.errors import invalid
-from gateway.structured import (
+from gateway.formats.structured import (
     MAX_GRAMMAR_BYTES,
     Grammar,
     SchemaConverter,
@@ -157,8 +157,8 @@ def call_grammar(format_name: str, functions: dict[str, dict], forced: str | Non
                  after: str | None = None) -> Grammar | None:
     """The grammar of calls to `functions` (only `forced` when it names one) in the format
     `format_name`; lazy (for `auto`) triggered where a call begins. None for the JSON fallback
-    (its grammars are gateway/tools.py's). `after`: text the output writes first, as it likes,
-    up to that closing mark (reasoning the prompt opened)."""
+    (its grammars are gateway/formats/tools.py's). `after`: text the output writes first, as it
+    likes, up to that closing mark (reasoning the prompt opened)."""
     rules = _Rules(functions, after)
     names = [forced] if forced else list(functions)
 

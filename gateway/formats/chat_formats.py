@@ -14,7 +14,7 @@ how it writes tool calls. An answer is parsed into parts, in order: reasoning, t
     | json         | the whole answer is {"name": ..., "arguments": {...}}          |           |
 
 `json` is the fallback: for a template without its own call syntax, and for one without tools
-at all (then the tools are described in the system prompt, gateway/tools.py).
+at all (then the tools are described in the system prompt, gateway/formats/tools.py).
 
 The parser reads the whole answer so far, each time it grows, and returns its parts. Parts only
 ever grow: a parse of a longer answer extends the last parse's parts and may add new ones, never
@@ -35,9 +35,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from gateway.call_grammars import call_grammar
-from gateway.structured import Grammar
-from gateway.tools import Toolbox
+from gateway.formats.call_grammars import call_grammar
+from gateway.formats.structured import Grammar
+from gateway.formats.tools import Toolbox
 
 
 @dataclass
@@ -73,9 +73,9 @@ class ChatFormat:
 
     def grammar(self, toolbox: Toolbox | None, thinking: bool = False) -> Grammar | None:
         """The grammar of calls: from the first token when one is required (after the
-        reasoning, when the prompt opened it), lazy under `auto` (gateway/call_grammars.py).
-        The JSON fallback has only its required one (gateway/tools.py): under `auto` an answer
-        that is not a call may be any JSON."""
+        reasoning, when the prompt opened it), lazy under `auto`
+        (gateway/formats/call_grammars.py). The JSON fallback has only its required one
+        (gateway/formats/tools.py): under `auto` an answer that is not a call may be any JSON."""
         if toolbox is None:
             return None
         if self.name == "json":

@@ -1,6 +1,6 @@
 """Request -> prompt tokens, exactly as llama-cpp-python's `Llama.create_chat_completion` and
 `create_completion` build them, so both give the same tokens for the same input; and the parser
-of the answer, in the model's own format (gateway/chat_formats.py)."""
+of the answer, in the model's own format (gateway/formats/chat_formats.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ from dataclasses import dataclass
 from llama_cpp import llama_chat_format
 
 from engine.llama import Model
-from gateway.builtin_templates import BuiltinTemplate
-from gateway.chat_formats import TEMPLATE_DEFAULT, ChatFormat, OutputParser, Reasoning, detect
 from gateway.edge.errors import invalid
+from gateway.formats.builtin_templates import BuiltinTemplate
+from gateway.formats.chat_formats import (
+    TEMPLATE_DEFAULT,
+    ChatFormat,
+    OutputParser,
+    Reasoning,
+    detect,
+)
+from gateway.formats.tools import Toolbox
 from gateway.protocol import Message
-from gateway.tools import Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +97,9 @@ class PromptBuilder:
         """The prompt's text.
 
         Tools are rendered by the template when it takes them, else described in the system
-        message (gateway/tools.py); earlier calls and results by the template when it renders
-        them, else as plain turns. A template without a system role (Gemma's) gets the system
-        message at the head of the first user turn."""
+        message (gateway/formats/tools.py); earlier calls and results by the template when it
+        renders them, else as plain turns. A template without a system role (Gemma's) gets the
+        system message at the head of the first user turn."""
         turns = [self._native(m) if self.renders_calls else _plain(m) for m in messages]
         options = reasoning.template_options()
         if toolbox is not None and self.takes_tools:

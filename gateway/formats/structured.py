@@ -5,7 +5,7 @@ literals escaped here). It ignores what it cannot express (numeric bounds, `not`
 `uniqueItems`, ...), which would let through output the schema forbids, so every keyword is
 checked first against what it supports: anything else is a 400 that names the keyword, never a
 grammar that silently enforces less. Tools' parameters are checked the same way, in every call
-format (gateway/call_grammars.py).
+format (gateway/formats/call_grammars.py).
 """
 
 from __future__ import annotations

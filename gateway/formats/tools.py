@@ -1,5 +1,5 @@
 """The tools a request offers (`Toolbox`), and the JSON fallback format for models without a
-call syntax of their own (gateway/chat_formats.py recognises the others).
+call syntax of their own (gateway/formats/chat_formats.py recognises the others).
 
 A chat template that takes `tools` renders them itself. For one that does not (SmolLM2's), the
 tools are described in the system message in this documented format, and earlier calls and
@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from gateway.edge.errors import invalid
-from gateway.structured import grammar_for
+from gateway.formats.structured import grammar_for
 
 TOOL_PROMPT = ("You can call tools. To call one, answer with only a JSON object "
                '{"name": <tool name>, "arguments": {<its arguments>}}. The tools:\n')
