@@ -22,10 +22,10 @@ from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.anthropic_wire import AnthropicWire
+from gateway.core.requests import completion_room, parse_request, sampler_settings
 from gateway.formats.chat_formats import OutputParser, call_grammar_of
 from gateway.formats.prompts import ChatPrompt
 from gateway.generation import Pin, Plan, admit, generate, json_response
-from gateway.protocol import completion_room, parse_request, sampler_settings
 from gateway.service import Gateway
 
 routes = web.RouteTableDef()

@@ -23,13 +23,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway import bounds
-from gateway.bounds import at_most
-from gateway.edge.errors import invalid
-from gateway.formats.chat_formats import Reasoning
-from gateway.formats.structured import Grammar, grammar_for
-from gateway.formats.tools import Toolbox
-from gateway.protocol import (
+from gateway.core import bounds
+from gateway.core.bounds import at_most
+from gateway.core.conversation import (
     CalledFunction,
     CalledTool,
     FunctionSpec,
@@ -37,8 +33,12 @@ from gateway.protocol import (
     NamedFunction,
     NamedToolChoice,
     Tool,
-    _Strict,
 )
+from gateway.core.requests import Strict
+from gateway.edge.errors import invalid
+from gateway.formats.chat_formats import Reasoning
+from gateway.formats.structured import Grammar, grammar_for
+from gateway.formats.tools import Toolbox
 
 # Claude Code's first system block: a billing line whose value changes with every conversation
 # (`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;`). Kept in the
@@ -49,7 +49,7 @@ DEFAULT_TTL_SECONDS = 300.0
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
-class CacheControl(_Strict):
+class CacheControl(Strict):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
@@ -58,14 +58,14 @@ class CacheControl(_Strict):
         return TTL_SECONDS[self.ttl] if self.ttl else DEFAULT_TTL_SECONDS
 
 
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
     citations: Annotated[list[dict], at_most(bounds.PARTS)] | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -86,7 +86,7 @@ class UnservedBlock(BaseModel):
                   "text_editor_code_execution_tool_result", "tool_search_tool_result"]
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | Annotated[list[Annotated[TextBlock | UnservedBlock,
@@ -102,14 +102,14 @@ class ToolResultBlock(_Strict):
         return self.content or ""
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
     cache_control: CacheControl | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(Strict):
     type: Literal["redacted_thinking"]
     data: str
     cache_control: CacheControl | None = None
@@ -119,7 +119,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
                          | RedactedThinkingBlock | UnservedBlock, Field(discriminator="type")]
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(Strict):
     # Claude Code puts a "system" turn (its environment) after the first user turn.
     role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[ContentBlock], at_most(bounds.PARTS)]
@@ -130,7 +130,7 @@ class AnthropicMessage(_Strict):
             else self.content
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     input_schema: dict | None = None  # required of custom tools; server tools have none
@@ -151,22 +151,22 @@ class AnthropicTool(_Strict):
         return f"{self.description or ''}\n\nExamples of input:\n{examples}".lstrip()
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(_Strict):
+class Metadata(Strict):
     user_id: str | None = None
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
@@ -175,7 +175,7 @@ class OutputConfig(_Strict):
         return {"xhigh": "high", "max": "high"}.get(self.effort, self.effort)
 
 
-class Diagnostics(_Strict):
+class Diagnostics(Strict):
     previous_message_id: str | None = None
 
 
@@ -187,7 +187,7 @@ class Breakpoint:
     seconds: float
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """What a prompt is made of: /v1/messages/count_tokens takes this alone."""
 
     model: str

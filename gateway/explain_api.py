@@ -28,11 +28,13 @@ from aiohttp import web
 
 from cache.index import namespace_hash
 from cache.tokens import COMPUTED_TAIL, resume_point
+from gateway.core.conversation import Message
+from gateway.core.requests import parse_request
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError, invalid
 from gateway.generation import admit, json_response
+from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
 from gateway.openai_api import chat_prompt, completion_prompt
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, Message, parse_request
 from gateway.responses_api import owner, response_prompt
 from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.service import Gateway

@@ -10,12 +10,13 @@ import numpy as np
 from aiohttp import web
 
 from cache.tokens import common_prefix
+from gateway.core.requests import parse_request
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.chat_formats import OutputParser, Reasoning, call_grammar_of
 from gateway.formats.prompts import ChatPrompt
 from gateway.generation import Pin, Plan, admit, generate, json_response
+from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
 from gateway.openai_wire import ChatWire, CompletionWire
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from gateway.service import Gateway
 
 routes = web.RouteTableDef()

@@ -49,7 +49,7 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from cache.persistence import private_file
-from gateway.protocol import Message
+from gateway.core.conversation import Message
 
 log = logging.getLogger(__name__)
 

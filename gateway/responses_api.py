@@ -15,18 +15,12 @@ from aiohttp import web
 
 from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
+from gateway.core.conversation import CalledFunction, CalledTool, Message
+from gateway.core.requests import completion_room, parse_request, sampler_settings
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.chat_formats import OutputParser, call_grammar_of
 from gateway.formats.tools import Toolbox
 from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
-from gateway.protocol import (
-    CalledFunction,
-    CalledTool,
-    Message,
-    completion_room,
-    parse_request,
-    sampler_settings,
-)
 from gateway.response_store import StoredResponse
 from gateway.responses_protocol import ResponsesRequest, with_instructions
 from gateway.responses_wire import ResponsesWire

@@ -22,13 +22,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from gateway import bounds
-from gateway.bounds import at_most
-from gateway.edge.errors import invalid
-from gateway.formats.chat_formats import Reasoning
-from gateway.formats.structured import Grammar, grammar_for
-from gateway.formats.tools import Toolbox
-from gateway.protocol import (
+from gateway.core import bounds
+from gateway.core.bounds import at_most
+from gateway.core.conversation import (
     CalledFunction,
     CalledTool,
     FunctionSpec,
@@ -38,10 +34,14 @@ from gateway.protocol import (
     PromptCacheBreakpoint,
     PromptCacheOptions,
     Tool,
-    _require_schema_name,
-    _Strict,
+    require_schema_name,
     written_breakpoints,
 )
+from gateway.core.requests import Strict
+from gateway.edge.errors import invalid
+from gateway.formats.chat_formats import Reasoning
+from gateway.formats.structured import Grammar, grammar_for
+from gateway.formats.tools import Toolbox
 
 NAMESPACE_SEPARATOR = "__"
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
@@ -50,20 +50,20 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_
                 "shell", "apply_patch", "tool_search", "programmatic_tool_calling", "custom")
 
 
-class InputText(_Strict):
+class InputText(Strict):
     type: Literal["input_text"]
     text: str
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # pins up to this part
 
 
-class OutputText(_Strict):
+class OutputText(Strict):
     type: Literal["output_text"]
     text: str
     annotations: Annotated[list[Any], at_most(bounds.PARTS)] | None = None
     logprobs: Annotated[list[Any], at_most(bounds.TOKEN_IDS)] | None = None
 
 
-class Refusal(_Strict):
+class Refusal(Strict):
     type: Literal["refusal"]
     refusal: str
 
@@ -82,7 +82,7 @@ def _part_text(part: InputText | OutputText | Refusal) -> str:
     return part.refusal if isinstance(part, Refusal) else part.text
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     type: Literal["message"] | None = None  # an "easy" message leaves it out
     id: str | None = None
     role: Literal["system", "developer", "user", "assistant"]
@@ -96,7 +96,7 @@ class MessageItem(_Strict):
         return "\n\n".join(_part_text(p) for p in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     type: Literal["function_call"]
     id: str | None = None
     call_id: str
@@ -111,7 +111,7 @@ class FunctionCallItem(_Strict):
             else self.name
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str
@@ -161,7 +161,7 @@ InputItem = Annotated[
     Discriminator(_item_kind)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -174,7 +174,7 @@ class FunctionTool(_Strict):
     output_schema: dict | None = None
 
 
-class NamespaceTool(_Strict):
+class NamespaceTool(Strict):
     type: Literal["namespace"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -196,12 +196,12 @@ ToolSpec = Annotated[
     | Annotated[HostedTool, Tag("hosted")], Discriminator(_tool_kind)]
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(Strict):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
@@ -214,11 +214,11 @@ class ResponsesCacheOptions(PromptCacheOptions):
     prewarm: bool | None = None  # no output at all: refused (check_supported)
 
 
-class ResponsesStreamOptions(_Strict):
+class ResponsesStreamOptions(Strict):
     include_obfuscation: bool | None = None  # no padding is added here
 
 
-class ContextManagement(_Strict):
+class ContextManagement(Strict):
     """Compaction once the input reaches `compact_threshold` tokens: never done here, so an
     input that reaches it is a 400 (check_compaction); below it, there is nothing to do."""
 
@@ -226,12 +226,12 @@ class ContextManagement(_Strict):
     compact_threshold: Annotated[int, Field(ge=1)] | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str
     input: str | Annotated[list[InputItem], at_most(bounds.MESSAGES)]
     instructions: str | None = None
@@ -386,7 +386,7 @@ class ResponsesRequest(_Strict):
         if fmt.type == "json_object":
             return Grammar(grammar_for("json_object", None, param="text.format"))
         schema = {"name": fmt.name, "schema": fmt.schema_ or {}}
-        _require_schema_name(schema, "text.format.name")
+        require_schema_name(schema, "text.format.name")
         return Grammar(grammar_for("json_schema", schema, param="text.format"))
 
     def chat_messages(self, history: list[Message] | None = None) -> list[Message]:

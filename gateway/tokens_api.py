@@ -5,19 +5,18 @@ loop the streams share."""
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from aiohttp import web
 
 from engine.llama import Model
+from gateway.core import bounds
+from gateway.core.bounds import at_most
+from gateway.core.requests import Strict, parse_request
 from gateway.edge.errors import invalid
 from gateway.formats.chat_formats import Reasoning
 from gateway.generation import admit, json_response
-from gateway.protocol import (
-    ChatCompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    parse_request,
-)
+from gateway.openai.requests import ChatCompletionRequest
 from gateway.service import Gateway
 
 MIN_TOKENIZE_BOUND = 65536  # tokens /tokenize and /detokenize take, if the context is shorter
@@ -82,3 +81,17 @@ def _detokenized(model: Model, tokens: list[int]) -> str:
     if any(not 0 <= t < model.n_vocab for t in tokens):
         raise invalid("tokens holds an id outside the vocabulary", "tokens")
     return model.detokenize(tokens)
+
+
+class TokenizeRequest(Strict):
+    """llama-server's /tokenize."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Strict):
+    """llama-server's /detokenize."""
+
+    tokens: Annotated[list[int], at_most(bounds.TOKEN_IDS)]

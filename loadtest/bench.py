@@ -31,8 +31,8 @@ from pathlib import Path
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
 from engine.llama import Model
+from gateway.core.conversation import Message
 from gateway.formats.prompts import PromptBuilder
-from gateway.protocol import Message
 from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, ServerProcess

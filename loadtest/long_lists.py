@@ -1,4 +1,4 @@
-"""Requests whose lists run past their bounds (gateway/bounds.py), on every API, and how they
+"""Requests whose lists run past their bounds (gateway/core/bounds.py), on every API, and how they
 are answered while streams generate beside them.
 
     python -m loadtest.long_lists [--source DIR] [--rounds 5]
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession, ClientTimeout
 
-from gateway import bounds
+from gateway.core import bounds
 from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
 from loadtest.gateway_process import ROOT, GatewayProcess

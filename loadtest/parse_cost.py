@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import time
 
+from gateway.core.conversation import Tool
 from gateway.formats.chat_formats import detect
 from gateway.formats.tools import Toolbox
-from gateway.protocol import Tool
 from tests.chat_outputs import OUTPUTS, TOOLS
 from tests.templates import template
 

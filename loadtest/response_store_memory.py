@@ -139,7 +139,7 @@ def main() -> None:
     if args.source:
         sys.path.insert(0, args.source)
     from gateway import response_store
-    from gateway.protocol import Message
+    from gateway.core.conversation import Message
 
     load = Load(response_store, Message)
     m = measure(load, getattr(load, args.load))

@@ -5,7 +5,8 @@ request carries (engine/textstream.py).
 
 A 2,000-token answer of ordinary text (pieces of 1-6 bytes, as a tokenizer's) is fed through a
 TextStream holding N stop strings that never match (N up to 10,000, past the API's bound of
-gateway/bounds.py: the scan is the same however many there are). Printed: microseconds per token.
+gateway/core/bounds.py: the scan is the same however many there are). Printed: microseconds per
+token.
 """
 
 from __future__ import annotations

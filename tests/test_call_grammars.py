@@ -12,10 +12,10 @@ import pytest
 
 from engine.llama import Sampler
 from engine.messages import SamplerSettings
+from gateway.core.conversation import NamedToolChoice, Tool
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part, detect
 from gateway.formats.tools import Toolbox
-from gateway.protocol import NamedToolChoice, Tool
 from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, write_call
 from tests.templates import template
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.core.conversation import Tool
 from gateway.formats.chat_formats import Part, detect
 from gateway.formats.tools import Toolbox
-from gateway.protocol import Tool
 from tests.chat_outputs import OUTPUTS, TOOLS
 from tests.templates import template
 

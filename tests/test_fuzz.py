@@ -129,7 +129,7 @@ def test_lists_past_their_bounds_together_are_still_a_400(gateway, model_name, p
 def test_the_bounds_page_lists_every_bound_as_the_code_has_it():
     from pathlib import Path
 
-    from gateway import bounds
+    from gateway.core import bounds
     page = (Path(__file__).parents[1] / "docs" / "api-bounds.md").read_text()
     listed = {row.split("|")[1].strip(" `"): int(row.split("|")[2])
               for row in page.splitlines() if row.startswith("| `")}
@@ -143,9 +143,10 @@ def test_a_list_past_its_bound_is_told_its_own_bound_not_another_branchs():
     the ids' bound (pydantic reports every branch's; the list-of-strings' is smaller)."""
     import pytest
 
-    from gateway import bounds
+    from gateway.core import bounds
+    from gateway.core.requests import parse_request
     from gateway.edge.errors import APIError
-    from gateway.protocol import CompletionRequest, parse_request
+    from gateway.openai.requests import CompletionRequest
     body = {"model": "m", "prompt": [1] * (bounds.TOKEN_IDS + 1)}
     with pytest.raises(APIError) as refused:
         parse_request(CompletionRequest, json.dumps(body).encode())
@@ -158,10 +159,11 @@ def test_a_large_bodys_long_lists_are_refused_before_any_item_is_validated(monke
     and one within every bound is validated as before."""
     import pytest
 
-    from gateway import bounds
     from gateway.anthropic_protocol import MessagesRequest
+    from gateway.core import bounds
+    from gateway.core.requests import parse_request
     from gateway.edge.errors import APIError
-    from gateway.protocol import ChatCompletionRequest, parse_request
+    from gateway.openai.requests import ChatCompletionRequest
 
     def never(*_args, **_kwargs):
         pytest.fail("a list past its bound was validated item by item")

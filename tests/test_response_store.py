@@ -10,7 +10,7 @@ import time
 import tracemalloc
 
 from gateway import response_store
-from gateway.protocol import Message
+from gateway.core.conversation import Message
 from gateway.response_store import ResponseStore, StoredResponse
 from loadtest.response_store_memory import Load
 

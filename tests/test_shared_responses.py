@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from cache.redis_tier import TierConfig
-from gateway.protocol import Message
+from gateway.core.conversation import Message
 from gateway.response_store import StoredResponse
 from gateway.shared_responses import DELETED, QUEUE_RESPONSES, SharedResponses
 from loadtest.gateway_process import GatewayProcess

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.protocol import NamedToolChoice
+from gateway.core.conversation import NamedToolChoice
 from loadtest.gateway_process import GatewayProcess
 from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, Scripted, write_call
 from tests.templates import template_path

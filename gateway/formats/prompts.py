@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from llama_cpp import llama_chat_format
 
 from engine.llama import Model
+from gateway.core.conversation import Message
 from gateway.edge.errors import invalid
 from gateway.formats.builtin_templates import BuiltinTemplate
 from gateway.formats.chat_formats import (
@@ -21,7 +22,6 @@ from gateway.formats.chat_formats import (
     detect,
 )
 from gateway.formats.tools import Toolbox
-from gateway.protocol import Message
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,25 @@ search, moderation) is a 400 naming it."""
 from __future__ import annotations
 
 import functools
-import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from engine.messages import GenerationRequest, SamplerSettings
-from gateway import bounds
-from gateway.bounds import at_most
+from engine.messages import GenerationRequest
 from gateway.config import SamplingDefaults
-from gateway.edge.errors import APIError, invalid
+from gateway.core import bounds
+from gateway.core.bounds import at_most
+from gateway.core.conversation import (
+    Message,
+    NamedToolChoice,
+    PromptCacheOptions,
+    TextPart,
+    Tool,
+    require_schema_name,
+    written_breakpoints,
+)
+from gateway.core.requests import Strict, completion_room, sampler_settings
+from gateway.edge.errors import invalid
 from gateway.formats.structured import Grammar, grammar_for
 from gateway.formats.tools import Toolbox
 
@@ -31,52 +40,24 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    def check_supported(self) -> None:
-        """Raises when the request asks for what this server does not do."""
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # no padding is added here
 
 
-BREAKPOINT_SECONDS = {"30m": 1800.0, "12h": 43200.0}
 
 
-class PromptCacheBreakpoint(_Strict):
-    """The end of a reusable prefix, as OpenAI marks it: chat pins the prompt up to it."""
-
-    mode: Literal["explicit"]
-    ttl: Literal["30m", "12h"] | None = None
 
 
-class PromptCacheOptions(_Strict):
-    mode: Literal["implicit", "explicit"] | None = None
-    ttl: Literal["30m", "12h"] | None = None
 
 
-def written_breakpoints(marks: list[tuple[int, int, PromptCacheBreakpoint]],
-                        options: PromptCacheOptions | None) -> list[tuple[int, int, float]]:
-    """Marked parts, (message or item, part, mark) in prompt order, as (message, part, seconds)
-    for those OpenAI writes: the latest four with prompt_cache_options.mode `explicit`, else the
-    latest three (beside its implicit breakpoint: here, the cache itself). A mark's TTL is its
-    own, else the request's prompt_cache_options.ttl, else 30m."""
-    default = options.ttl if options is not None and options.ttl else "30m"
-    explicit = options is not None and options.mode == "explicit"
-    kept = marks[-(bounds.CACHE_BREAKPOINTS - (0 if explicit else 1)):]
-    return [(m, p, BREAKPOINT_SECONDS[mark.ttl or default]) for m, p, mark in kept]
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
-class Prediction(_Strict):
+class Prediction(Strict):
     """OpenAI's Predicted Outputs: text the answer is expected to repeat, mostly."""
 
     type: Literal["content"]
@@ -87,72 +68,30 @@ class Prediction(_Strict):
             "".join(part.text for part in self.content)
 
 
-class CalledFunction(_Strict):
-    name: str
-    arguments: str
 
 
-class CalledTool(_Strict):
-    """A tool call of an earlier assistant turn, sent back in the history."""
-
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
 
 
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], at_most(bounds.PARTS)] | None = None
-    name: str | None = None
-    tool_calls: Annotated[list[CalledTool], at_most(bounds.PARTS)] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant: its reasoning, as llama-server returns it
-    refusal: str | None = None  # assistant: a refusal sent back, its text when it has no content
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or self.refusal or ""
 
 
-class FunctionSpec(_Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
 
 
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionSpec
 
 
-class NamedFunction(_Strict):
-    name: str
 
 
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
 
 
-SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
-def _require_schema_name(json_schema: dict | None,
-                         param: str = "response_format.json_schema.name") -> None:
-    name = json_schema.get("name") if isinstance(json_schema, dict) else None
-    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
-        raise invalid(f"{param.rpartition('.')[0]} needs a `name` of letters, digits, "
-                      "underscores and dashes, at most 64", param)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict | None = None
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -252,35 +191,8 @@ class _Sampling(_Strict):
         return biases
 
 
-def sampler_settings(defaults: SamplingDefaults, temperature: float | None,
-                     top_p: float | None, top_k: int | None = None, min_p: float | None = None,
-                     grammar: Grammar | None = None, **fixed) -> SamplerSettings:
-    """What a request asks for, the server's defaults where it leaves a parameter out."""
-    if grammar is not None:
-        fixed |= {"grammar": grammar.gbnf, "grammar_triggers": grammar.triggers}
-    return SamplerSettings(
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        top_k=defaults.top_k if top_k is None else top_k,
-        min_p=defaults.min_p if min_p is None else min_p, **fixed)
 
 
-def completion_room(n_prompt: int, seq_len: int, wanted: int | None, cap: int | None,
-                    prompt_param: str) -> int:
-    """The completion tokens a request gets: what it asks for, within the sequence's room
-    after its prompt and the server's --max-tokens (asking past that is an error)."""
-    room = seq_len - n_prompt
-    if room < 1:
-        raise invalid(
-            f"This model's maximum context length is {seq_len} tokens. However, your "
-            f"prompt is {n_prompt} tokens, leaving no room for a completion.",
-            prompt_param, "context_length_exceeded")
-    if cap is not None:
-        if wanted is not None and wanted > cap:
-            raise invalid(f"max_tokens is too large: {wanted}. This server allows at most "
-                          f"{cap} completion tokens per request.", "max_tokens")
-        room = min(room, cap)
-    return room if wanted is None else min(wanted, room)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -354,7 +266,7 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format is None or self.response_format.type == "text":
             return calls
         if self.response_format.type == "json_schema":
-            _require_schema_name(self.response_format.json_schema)
+            require_schema_name(self.response_format.json_schema)
         return Grammar(grammar_for(self.response_format.type, self.response_format.json_schema))
 
 
@@ -387,64 +299,15 @@ class CompletionRequest(_Sampling):
         return self.prompt
 
 
-class TokenizeRequest(_Strict):
-    """llama-server's /tokenize."""
-
-    content: str
-    add_special: bool = False
-    with_pieces: bool = False
 
 
-class DetokenizeRequest(_Strict):
-    """llama-server's /detokenize."""
-
-    tokens: Annotated[list[int], at_most(bounds.TOKEN_IDS)]
 
 
-RequestT = TypeVar("RequestT", bound=_Strict)
 
 
-def parse_request(model: type[RequestT], body: bytes) -> RequestT:
-    bounds.refuse_long_lists(model, body)
-    try:
-        request = model.model_validate_json(body)
-    except ValidationError as exc:
-        raise _as_api_error(exc) from None
-    request.check_supported()
-    return request
 
 
-def _as_api_error(exc: ValidationError) -> APIError:
-    errors = exc.errors(include_url=False)
-    # A list past its bound fails every branch of a union (`str | list`): the bound is the news,
-    # and of several branches' bounds the largest (a list of ids is not too long for a list of
-    # strings' bound).
-    too_long = [e for e in errors if e["type"] == "too_long"]
-    error = max(too_long, key=lambda e: e["ctx"]["max_length"]) if too_long else errors[0]
-    loc = [str(part) for part in error["loc"]]
-    param = _param_name(loc)
-    if error["type"] == "json_invalid":
-        return invalid(f"We could not parse the JSON body of your request: {error['msg']}")
-    if error["type"] == "model_type" and not loc:
-        return invalid("The request body must be a JSON object")
-    if error["type"] == "missing":
-        return invalid(f"Missing required parameter: '{param}'.", param)
-    if error["type"] == "extra_forbidden":
-        return invalid(f"Unrecognized request argument supplied: {param}", param)
-    return invalid(f"Invalid value for '{param}': {error['msg']}", param)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def _param_name(loc: list[str]) -> str | None:
-    """('messages', '0', 'role') -> 'messages[0].role'; pydantic's union branch tags are dropped."""
-    name = ""
-    for part in loc:
-        if part.isdigit():
-            name += f"[{part}]"
-        elif part in _TYPE_TAGS or not part.isidentifier():
-            continue
-        else:
-            name += f".{part}" if name else part
-    return name or None
