@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
+    from gateway.core.service import ServerConfig
     from gateway.server import serve
-    from gateway.service import ServerConfig
     from gateway.workers.model_store import default_model_path
 
     try:

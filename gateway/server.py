@@ -2,8 +2,9 @@
 middlewares (API keys, each API's error shape), /health and /metrics, and serving with a clean
 shutdown.
 
-The data path of a request reads top to bottom: an API module (openai_api, anthropic_api)
-parses it and renders the prompt tokens -> generation.generate -> a worker -> the API's wire.
+The data path of a request reads top to bottom: an API's routes (gateway/openai/,
+gateway/anthropic/, gateway/responses/) parse it and render the prompt tokens ->
+core.generation.generate -> a worker -> the API's wire.
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ import time
 
 from aiohttp import web
 
-from gateway import (
-    admin_api,
-    anthropic_api,
-    explain_api,
-    openai_api,
-    responses_api,
-    tokens_api,
-)
+from gateway.anthropic import routes as anthropic_routes
+from gateway.core.service import HISTORY_STEP, Gateway, ServerConfig
 from gateway.edge import cors
 from gateway.edge.auth import KeyRing, bearer_matches
 from gateway.edge.errors import APIError, Shape
-from gateway.service import HISTORY_STEP, Gateway, ServerConfig
+from gateway.openai import routes as openai_routes
+from gateway.operator import admin, explain, tokens
+from gateway.responses import routes as responses_routes
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +120,8 @@ async def api_keys(request: web.Request, handler) -> web.StreamResponse:
 
 
 # Every route the gateway answers, each API's from its own module.
-routes = [*_own_routes, *openai_api.routes, *anthropic_api.routes, *responses_api.routes,
-          *tokens_api.routes, *admin_api.routes, *explain_api.routes]
+routes = [*_own_routes, *openai_routes.routes, *anthropic_routes.routes,
+          *responses_routes.routes, *tokens.routes, *admin.routes, *explain.routes]
 
 
 def build_app(gateway: Gateway) -> web.Application:

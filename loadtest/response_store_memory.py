@@ -1,4 +1,4 @@
-"""What the response store (gateway/response_store.py) really holds, against what it counts.
+"""What the response store (gateway/responses/store.py) really holds, against what it counts.
 
     python -m loadtest.response_store_memory [--source DIR]
 
@@ -9,7 +9,7 @@ Printed for each: the store's own count (`stats`, what --response-store-mb bound
 process's resident memory it added (/proc/self/statm) and the Python allocations it added
 (tracemalloc, a second run of the same load). `--source` imports the store from another
 checkout (e.g. `git archive <commit> gateway cache engine | tar -x -C DIR`), for the figures
-before a change; that store is driven the way its own responses_api.py drove it (every turn
+before a change; that store is driven the way its own Responses routes drove it (every turn
 kept whole before the store kept chained turns as what they add).
 """
 
@@ -35,7 +35,7 @@ def rss_bytes() -> int:
 
 
 class Load:
-    """Builds stored responses as responses_api.py does, for either version of the store."""
+    """Builds stored responses as gateway/responses/routes.py does, for either version of the store."""
 
     def __init__(self, store_module, message_class) -> None:
         self.module = store_module
@@ -125,7 +125,7 @@ LOADS = {"independent": "1,000 responses of 2,048 tokens",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default=None,
-                        help="a checkout whose gateway/response_store.py to measure")
+                        help="a checkout whose gateway/responses/store.py to measure")
     parser.add_argument("--load", choices=LOADS, help=argparse.SUPPRESS)  # one, in a child
     args = parser.parse_args()
     if args.load is None:  # each load in a process of its own: RSS is never given back
@@ -138,8 +138,8 @@ def main() -> None:
         return
     if args.source:
         sys.path.insert(0, args.source)
-    from gateway import response_store
     from gateway.core.conversation import Message
+    from gateway.responses import store as response_store
 
     load = Load(response_store, Message)
     m = measure(load, getattr(load, args.load))

@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway import generation
 from gateway.cli import main
+from gateway.core import generation
 
 
 @dataclass(frozen=True)

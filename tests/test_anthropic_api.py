@@ -278,7 +278,7 @@ def test_a_recorded_full_size_claude_code_request_is_understood():
     two system blocks and its last message's block."""
     from pathlib import Path
 
-    from gateway.anthropic_protocol import BILLING_HEADER, MessagesRequest
+    from gateway.anthropic.requests import BILLING_HEADER, MessagesRequest
     from gateway.core.requests import parse_request
 
     body = (Path(__file__).parent / "fixtures" / "claude_code_2.1.328_request.json").read_bytes()

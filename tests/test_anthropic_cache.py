@@ -8,7 +8,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from gateway.anthropic_protocol import MessagesRequest
+from gateway.anthropic.requests import MessagesRequest
 from loadtest.gateway_process import GatewayProcess
 from tests.test_anthropic_api import ALIAS, client, prompt_total
 

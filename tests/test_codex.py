@@ -106,7 +106,7 @@ def test_codexs_full_size_request_is_understood():
     """Codex 0.169.0's whole body (its instructions, 9 tools among them a namespace and a hosted
     web_search, reasoning and include), recorded: every field parses."""
     from gateway.core.requests import parse_request
-    from gateway.responses_protocol import ResponsesRequest
+    from gateway.responses.requests import ResponsesRequest
 
     body = (ROOT / "tests" / "fixtures" / "codex_0.169.0_request.json").read_bytes()
     request = parse_request(ResponsesRequest, body)

@@ -159,7 +159,7 @@ def test_a_large_bodys_long_lists_are_refused_before_any_item_is_validated(monke
     and one within every bound is validated as before."""
     import pytest
 
-    from gateway.anthropic_protocol import MessagesRequest
+    from gateway.anthropic.requests import MessagesRequest
     from gateway.core import bounds
     from gateway.core.requests import parse_request
     from gateway.edge.errors import APIError

@@ -9,9 +9,9 @@ import random
 import time
 import tracemalloc
 
-from gateway import response_store
 from gateway.core.conversation import Message
-from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses import store as response_store
+from gateway.responses.store import ResponseStore, StoredResponse
 from loadtest.response_store_memory import Load
 
 

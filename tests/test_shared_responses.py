@@ -1,5 +1,5 @@
-"""The Redis copy of stored responses (gateway/shared_responses.py) with a real redis-server on
-loopback: one writer thread whatever Redis's speed, deletes that a late store never undoes,
+"""The Redis copy of stored responses (gateway/responses/shared_store.py) with a real redis-server
+on loopback: one writer thread whatever Redis's speed, deletes that a late store never undoes,
 conversations encrypted at rest, and none in Redis without a key."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import redis
 
 from cache.redis_tier import TierConfig
 from gateway.core.conversation import Message
-from gateway.response_store import StoredResponse
-from gateway.shared_responses import DELETED, QUEUE_RESPONSES, SharedResponses
+from gateway.responses.shared_store import DELETED, QUEUE_RESPONSES, SharedResponses
+from gateway.responses.store import StoredResponse
 from loadtest.gateway_process import GatewayProcess
 from tests.test_redis_tier import wait_stored
 

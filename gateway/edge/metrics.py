@@ -23,7 +23,7 @@ from engine.speculation import SOURCES
 from gateway.edge.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
-    from gateway.response_store import ResponseStore
+    from gateway.responses.store import ResponseStore
     from gateway.workers.shared_pool import TierHits
     from gateway.workers.supervisor import Workers, WorkerView
 

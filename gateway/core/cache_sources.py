@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.messages import GenerationRequest
-from gateway.service import Gateway
+from gateway.core.service import Gateway
 
 HEADER = "x-prefix-cache"
 

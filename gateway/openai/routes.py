@@ -1,5 +1,5 @@
 """OpenAI's chat completions, completions and models: each request translated onto the one
-generation path (gateway/generation.py), its outputs worded by gateway/openai_wire.py."""
+generation path (gateway/core/generation.py), its outputs worded by gateway/openai/wire.py."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import numpy as np
 from aiohttp import web
 
 from cache.tokens import common_prefix
+from gateway.core.generation import Pin, Plan, admit, generate, json_response
 from gateway.core.requests import parse_request
+from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.chat_formats import OutputParser, Reasoning, call_grammar_of
 from gateway.formats.prompts import ChatPrompt
-from gateway.generation import Pin, Plan, admit, generate, json_response
 from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
-from gateway.openai_wire import ChatWire, CompletionWire
-from gateway.service import Gateway
+from gateway.openai.wire import ChatWire, CompletionWire
 
 routes = web.RouteTableDef()
 

@@ -23,10 +23,10 @@ import orjson
 from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
-from gateway.cache_sources import HEADER, Held, header_value, held_for
+from gateway.core.cache_sources import HEADER, Held, header_value, held_for
+from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.chat_formats import OutputParser, Part
-from gateway.service import Gateway
 from gateway.workers.handles import GenerationHandle
 from gateway.workers.shared_pool import SharedPool
 from gateway.workers.supervisor import Overloaded

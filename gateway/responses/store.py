@@ -30,7 +30,7 @@ those past their share before anyone else; below that, the oldest go first. With
 they are written there at shutdown (owner-only, as the prefix cache's snapshot: they hold
 whole conversations) and read back at start, if they were made with this very model (its GGUF
 fingerprint: their token ids mean nothing to another). With --redis-url and --redis-key every
-replica reads them through Redis as well, encrypted (gateway/shared_responses.py); without the
+replica reads them through Redis as well, encrypted (gateway/responses/shared_store.py); without the
 key they are never put in Redis.
 """
 

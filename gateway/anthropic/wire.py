@@ -15,9 +15,9 @@ import json
 import uuid
 
 from engine.messages import Output, Usage
+from gateway.core.generation import Choice, Event, Growth, Wire
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part
-from gateway.generation import Choice, Event, Growth, Wire
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 

@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pydantic import ValidationError
 
 from cache.redis_tier import TierConfig
-from gateway.response_store import StoredResponse
+from gateway.responses.store import StoredResponse
 
 log = logging.getLogger(__name__)
 

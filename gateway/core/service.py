@@ -20,8 +20,8 @@ from gateway.edge.errors import APIError
 from gateway.edge.metrics import Metrics, draft_counts
 from gateway.edge.ratelimit import RateLimiter, RateLimits
 from gateway.formats.prompts import PromptBuilder
-from gateway.response_store import ResponseStore
-from gateway.shared_responses import SharedResponses
+from gateway.responses.shared_store import SharedResponses
+from gateway.responses.store import ResponseStore
 from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)

@@ -29,15 +29,15 @@ from aiohttp import web
 from cache.index import namespace_hash
 from cache.tokens import COMPUTED_TAIL, resume_point
 from gateway.core.conversation import Message
+from gateway.core.generation import admit, json_response
 from gateway.core.requests import parse_request
+from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError, invalid
-from gateway.generation import admit, json_response
 from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
-from gateway.openai_api import chat_prompt, completion_prompt
-from gateway.responses_api import owner, response_prompt
-from gateway.responses_protocol import ResponsesRequest, with_instructions
-from gateway.service import Gateway
+from gateway.openai.routes import chat_prompt, completion_prompt
+from gateway.responses.requests import ResponsesRequest, with_instructions
+from gateway.responses.routes import owner, response_prompt
 
 CONTEXT_CHARS = 40  # of text on each side of a divergence
 FOLLOWING_TOKENS = 32  # of the cached path past it

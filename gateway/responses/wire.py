@@ -17,9 +17,9 @@ import uuid
 from collections.abc import Callable
 
 from engine.messages import Output, TokenLogprob, Usage
+from gateway.core.generation import Choice, Event, Growth, Wire
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part
-from gateway.generation import Choice, Event, Growth, Wire
 
 
 def _id(prefix: str) -> str:

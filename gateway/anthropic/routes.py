@@ -1,7 +1,7 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), for the anthropic SDK and
-Claude Code: each request translated into chat messages (gateway/anthropic_protocol.py),
+Claude Code: each request translated into chat messages (gateway/anthropic/requests.py),
 rendered by the one prompt path, and sent down the one generation path; its outputs worded by
-gateway/anthropic_wire.py. Errors leave in Anthropic's shape (the app's error middleware picks
+gateway/anthropic/wire.py. Errors leave in Anthropic's shape (the app's error middleware picks
 it by path).
 
 cache_control breakpoints pin the prompt's prefix up to each of them for its TTL (5 minutes
@@ -20,13 +20,13 @@ from aiohttp import web
 
 from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
-from gateway.anthropic_protocol import CountTokensRequest, MessagesRequest
-from gateway.anthropic_wire import AnthropicWire
+from gateway.anthropic.requests import CountTokensRequest, MessagesRequest
+from gateway.anthropic.wire import AnthropicWire
+from gateway.core.generation import Pin, Plan, admit, generate, json_response
 from gateway.core.requests import completion_room, parse_request, sampler_settings
+from gateway.core.service import Gateway
 from gateway.formats.chat_formats import OutputParser, call_grammar_of
 from gateway.formats.prompts import ChatPrompt
-from gateway.generation import Pin, Plan, admit, generate, json_response
-from gateway.service import Gateway
 
 routes = web.RouteTableDef()
 

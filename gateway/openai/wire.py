@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.messages import Output, TokenLogprob, Usage
+from gateway.core.generation import Choice, Event, Growth, Wire
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part
-from gateway.generation import Choice, Event, Growth, Wire
 
 TokenBytes = Callable[[int], bytes]
 

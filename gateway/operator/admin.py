@@ -8,10 +8,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.core.generation import json_response
+from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError
-from gateway.generation import json_response
-from gateway.service import Gateway
 
 CACHE_PAGE = Path(__file__).parent / "static" / "cache.html"
 HOTTEST_PREFIXES = 50  # rows of GET /v1/cache/prefixes

@@ -1,7 +1,7 @@
 """OpenAI's Responses API (/v1/responses), for the openai SDK's `client.responses`, the Agents
-SDK and Codex: each request translated into chat messages (gateway/responses_protocol.py),
+SDK and Codex: each request translated into chat messages (gateway/responses/requests.py),
 rendered by the one prompt path and sent down the one generation path; its outputs worded by
-gateway/responses_wire.py."""
+gateway/responses/wire.py."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from aiohttp import web
 from cache.tokens import common_prefix
 from engine.messages import GenerationRequest
 from gateway.core.conversation import CalledFunction, CalledTool, Message
+from gateway.core.generation import Choice, Pin, Plan, admit, generate, json_response
 from gateway.core.requests import completion_room, parse_request, sampler_settings
+from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.chat_formats import OutputParser, call_grammar_of
 from gateway.formats.tools import Toolbox
-from gateway.generation import Choice, Pin, Plan, admit, generate, json_response
-from gateway.response_store import StoredResponse
-from gateway.responses_protocol import ResponsesRequest, with_instructions
-from gateway.responses_wire import ResponsesWire
-from gateway.service import Gateway
-from gateway.shared_responses import DELETED
+from gateway.responses.requests import ResponsesRequest, with_instructions
+from gateway.responses.shared_store import DELETED
+from gateway.responses.store import StoredResponse
+from gateway.responses.wire import ResponsesWire
 
 log = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"

@@ -12,12 +12,12 @@ from aiohttp import web
 from engine.llama import Model
 from gateway.core import bounds
 from gateway.core.bounds import at_most
+from gateway.core.generation import admit, json_response
 from gateway.core.requests import Strict, parse_request
+from gateway.core.service import Gateway
 from gateway.edge.errors import invalid
 from gateway.formats.chat_formats import Reasoning
-from gateway.generation import admit, json_response
 from gateway.openai.requests import ChatCompletionRequest
-from gateway.service import Gateway
 
 MIN_TOKENIZE_BOUND = 65536  # tokens /tokenize and /detokenize take, if the context is shorter
 
