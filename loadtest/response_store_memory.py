@@ -35,7 +35,8 @@ def rss_bytes() -> int:
 
 
 class Load:
-    """Builds stored responses as gateway/responses/routes.py does, for either version of the store."""
+    """Builds stored responses as gateway/responses/routes.py does, for either version of the
+    store."""
 
     def __init__(self, store_module, message_class) -> None:
         self.module = store_module
