@@ -1,6 +1,11 @@
 """The house by process: gateway/ (the HTTP process) over engine/ (the worker process) over
 cache/ (blocks, tokens and bytes), read from the source's imports: no import from a lower layer
-back up, no circle, aiohttp and llama.cpp each on one side only."""
+back up, no circle, aiohttp and llama.cpp each on one side only, and inside gateway/ no API's
+package importing another's.
+
+`python -m tests.test_layers` draws the house: each room (folder), its modules (a package's
+docstring-only __init__ aside) and lines, and its floors (a module's floor is the longest chain
+of project imports below it; 0 imports nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("gateway", "engine", "cache")  # each may import only those after it
+# One package per API over the one generation path (gateway/core/): none imports another's.
+API_PACKAGES = ("gateway.openai", "gateway.anthropic", "gateway.responses")
 PURE_PYTHON_HELPERS = ("llama_cpp.llama_chat_format", "llama_cpp.llama_grammar")
 
 
@@ -116,3 +123,54 @@ def test_no_folder_holds_a_worker_and_a_workers_module():
     for package in LAYERS:
         names = {p.name for p in (ROOT / package).glob("*.py")}
         assert not {"worker.py", "workers.py"} <= names, package
+
+
+def _api_package(name: str) -> str | None:
+    return next((p for p in API_PACKAGES if name == p or name.startswith(p + ".")), None)
+
+
+def test_an_api_package_never_imports_another_apis():
+    known = modules()
+    assert all(package in known for package in API_PACKAGES)
+    for name, path in known.items():
+        if (home := _api_package(name)) is None:
+            continue
+        for target in project_imports(path, known):
+            assert _api_package(target) in (None, home), f"{name} imports {target}"
+
+
+def floors(known: dict[str, Path]) -> dict[str, int]:
+    """Each module's floor: 0 for one importing no project module, else one above the highest
+    module it imports (the graph has no circle: test_no_import_circle)."""
+    graph = {name: project_imports(path, known) - {name} for name, path in known.items()}
+    found: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in found:
+            found[name] = 1 + max((floor(t) for t in graph[name]), default=-1)
+        return found[name]
+
+    for name in graph:
+        floor(name)
+    return found
+
+
+def house() -> str:
+    known = modules()
+    levels = floors(known)
+    rooms: dict[str, list[str]] = {}
+    for name, path in known.items():
+        if path.name != "__init__.py":  # a room's docstring
+            rooms.setdefault(str(path.parent.relative_to(ROOT)), []).append(name)
+    rows = ["| room | modules | lines | floors |", "|---|---:|---:|---|"]
+    for room, names in sorted(rooms.items()):
+        lines = sum(len(known[n].read_text().splitlines()) for n in names)
+        low, high = min(levels[n] for n in names), max(levels[n] for n in names)
+        rows.append(f"| {room}/ | {len(names)} | {lines} | {low}-{high} |")
+    modules_count = sum(len(names) for names in rooms.values())
+    rows.append(f"\n{modules_count} modules on {max(levels.values()) + 1} floors")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(house())
