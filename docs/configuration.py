@@ -29,7 +29,8 @@ NOTES = {
                "than as shipped in Q4_1, which goes through the generic dot product "
                "(`loadtest.weight_kernels`, [scheduler.md](scheduler.md)).",
     "--model-alias": "Responses carry the name asked for. `ANTHROPIC_MODEL=<model id>` does the "
-                     "same from Claude Code's side.",
+                     "same from Claude Code's side. `PREFIXGATE_MODEL_ALIAS` takes several, "
+                     "separated by commas.",
     "--response-store-mb": "Past it (or past `--response-store-hours`) the oldest stored "
                            "responses go first; past `--tenant-cache-share` of the memory, a "
                            "tenant's own oldest "

@@ -218,12 +218,17 @@ def _share(value: str) -> float:
 
 
 def _environment_twins(p: argparse.ArgumentParser) -> None:
-    """PREFIXGATE_<FLAG> sets a flag's default; the command line still wins."""
+    """PREFIXGATE_<FLAG> sets a flag's default; the command line still wins. A flag that may be
+    given several times (--model-alias) takes a comma-separated list, as llama-server's
+    environment variables do."""
     for action in p._actions:
         env_value = os.environ.get(f"PREFIXGATE_{action.dest.upper()}")
         if env_value is not None and action.dest != "help":
             if isinstance(action, argparse._StoreTrueAction):
                 action.default = env_value.lower() in ("1", "true", "yes")
+            elif isinstance(action, argparse._AppendAction):  # a flag given several times
+                action.default = [action.type(v) if action.type else v
+                                  for v in (v.strip() for v in env_value.split(",")) if v]
             else:
                 action.default = action.type(env_value) if action.type else env_value
 

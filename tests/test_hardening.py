@@ -257,6 +257,17 @@ def test_help_does_not_load_llama_cpp():
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
 
 
+def test_a_repeatable_flags_environment_twin_is_a_comma_separated_list(monkeypatch):
+    """PREFIXGATE_MODEL_ALIAS='claude-*' is one alias (it was one per character: 'c', 'l', ...),
+    and several are separated by commas; the command line adds its own."""
+    from gateway.cli import build_parser
+    monkeypatch.setenv("PREFIXGATE_MODEL_ALIAS", "claude-*")
+    assert build_parser().parse_args([]).model_alias == ["claude-*"]
+    monkeypatch.setenv("PREFIXGATE_MODEL_ALIAS", "claude-*, gpt-5*")
+    assert build_parser().parse_args(["--model-alias", "o3"]).model_alias == \
+        ["claude-*", "gpt-5*", "o3"]
+
+
 def test_per_key_rate_limits_answer_429_with_retry_after(model_path, model_name, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("key-r tenant-r\nkey-t tenant-t\n")
