@@ -16,7 +16,7 @@ from gateway.core.conversation import NamedToolChoice, Tool
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part, detect
 from gateway.formats.tools import Toolbox
-from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WRITE, write_call
+from tests.chat_outputs import CODE, OUTPUTS, TEXT_CALLS, TOOLS, WEATHER, WRITE, write_call
 from tests.templates import template
 
 CALLS = [(family, case) for family, (_, cases) in OUTPUTS.items() if family != "json"
@@ -215,4 +215,30 @@ def test_a_name_a_text_parameter_format_cannot_write_is_a_400(family, name):
         "type": "object", "properties": {name: {"type": "string"}}}}}
     with pytest.raises(APIError) as refused:
         grammar_of(family, "auto", [tool])
+    assert (refused.value.status, refused.value.param) == (400, "tools")
+
+
+# What Claude Code's own tools hold: bounds no grammar enforces, formats it has no rule for.
+UNENFORCEABLE = {"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string", "maxLength": 100_000, "format": "uri"},
+    "days": {"type": "integer", "minimum": 1, "exclusiveMaximum": 15}}}
+
+
+@pytest.mark.parametrize("family", sorted({family for family, _ in CALLS} | {"json"}))
+def test_a_tool_not_strict_is_held_to_what_a_grammar_enforces_of_it(local_model, family):
+    """As llama.cpp's converter does, a tool that is not strict (Claude Code's, Codex's) is
+    called under the grammar of its schema without the keywords no grammar enforces, the client
+    left to check them; before, the whole request was a 400 on models with a call format of
+    their own. A strict tool holding them is still refused: its schema is a promise."""
+    weather = {"type": "function", "function": {**WEATHER["function"],
+                                                 "parameters": UNENFORCEABLE}}
+    grammar = grammar_of(family, "required", [weather])
+    output = OUTPUTS[family][1]["call"].output if "call" in OUTPUTS[family][1] else \
+        next(s.output for c, s in OUTPUTS[family][1].items() if (family, c) in CALLS)
+    if family == "json":
+        output = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    assert grammar is not None and accepts(local_model, grammar, output)
+    strict = {"type": "function", "function": {**weather["function"], "strict": True}}
+    with pytest.raises(APIError) as refused:
+        grammar_of(family, "required", [strict])
     assert (refused.value.status, refused.value.param) == (400, "tools")

@@ -51,7 +51,8 @@ CASES = [
      "response_format.json_schema", None),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "not a name!"}}]), 400,
      "tools[0].function.name", None),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": True,
+                                                          "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}],
         tool_choice="required"), 400, "tools", "unsupported"),
     (CHAT, chat(frobnicate=1), 400, "frobnicate", None),

@@ -148,14 +148,21 @@ def test_sampled_strings_are_json_strings(client, model_name):
 def test_a_repetition_bomb_is_a_400_before_any_grammar_is_built(client, model_name, keyword,
                                                                   schema):
     """Past llama.cpp's own cap of 2,000 repetitions. (Before, the converter wrote them out on
-    the event loop: 8 MB of grammar per million.)"""
+    the event loop: 8 MB of grammar per million.) A strict tool's forced call is refused the
+    same; one that is not strict is called without the bound, left to the client."""
     with pytest.raises(openai.BadRequestError) as raised:
         structured(client, model_name, {"type": "object", "properties": {"x": schema}})
     assert f"'{keyword}'" in raised.value.body["message"]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": schema}, "required": ["x"]}}}
+    function = {"name": "f", "parameters": {"type": "object", "properties": {"x": schema},
+                                            "required": ["x"]}}
+    forced = {"type": "function", "function": {"name": "f"}}
     with pytest.raises(openai.BadRequestError) as raised:  # a forced call builds one too
         client.chat.completions.create(
             model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
-            tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+            tools=[{"type": "function", "function": {**function, "strict": True}}],
+            tool_choice=forced)
     assert f"'{keyword}'" in raised.value.body["message"]
+    r = client.chat.completions.create(
+        model=model_name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+        tools=[{"type": "function", "function": function}], tool_choice=forced)
+    assert r.choices[0].finish_reason in ("length", "stop")

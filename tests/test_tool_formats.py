@@ -360,8 +360,6 @@ MALFORMED = {
     "required not a list of names": {"type": "object", "properties": {
         "path": {"type": "string"}}, "required": "path"},
     "a type JSON schema has not": {"type": "object", "properties": {"path": {"type": "text"}}},
-    "a keyword no grammar enforces": {"type": "object", "properties": {
-        "lines": {"type": "integer", "minimum": 1}}},
     "a name the format cannot write": {"type": "object", "properties": {
         "<path>": {"type": "string"}}},
 }
@@ -386,5 +384,14 @@ def test_a_malformed_tool_schema_is_a_400_before_anything_streams(served):
             claude.messages.create(model="m", max_tokens=4, messages=messages, tools=[
                 {"name": "Write", "input_schema": parameters}], stream=True)
         assert refused.value.body["error"]["type"] == "invalid_request_error", case
+    # A keyword no grammar enforces, in a strict tool (in one that is not, it is left to the
+    # client: test_call_grammars.py).
+    unenforceable = {"type": "object", "properties": {"lines": {"type": "integer", "minimum": 1}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=messages, max_tokens=4, stream=True,
+                                       tools=[{"type": "function", "function": {
+                                           "name": "Write", "parameters": unenforceable,
+                                           "strict": True}}])
+    assert refused.value.body["param"] == "tools"
     r = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length")

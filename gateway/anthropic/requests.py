@@ -251,7 +251,8 @@ class CountTokensRequest(Strict):
 
     def toolbox(self) -> Toolbox | None:
         tools = [Tool(type="function", function=FunctionSpec(
-            name=t.name, description=t.described(), parameters=t.input_schema))
+            name=t.name, description=t.described(), parameters=t.input_schema,
+            strict=t.strict))
             for t in self.tools or []]
         choice = self.tool_choice
         return Toolbox.of(tools, self._openai_tool_choice(),

@@ -81,7 +81,7 @@ class ChatFormat:
         if self.name == "json":
             return Grammar(toolbox.grammar()) if toolbox.forced is not None else None
         forced = toolbox.forced is not None
-        return call_grammar(self.name, toolbox.functions, toolbox.forced or None,
+        return call_grammar(self.name, toolbox.held_functions(), toolbox.forced or None,
                             lazy=not forced, parallel=toolbox.parallel, fenced=self.fenced,
                             after=self.think[1] if thinking and forced else None)
 

@@ -5,7 +5,9 @@ literals escaped here). It ignores what it cannot express (numeric bounds, `not`
 `uniqueItems`, ...), which would let through output the schema forbids, so every keyword is
 checked first against what it supports: anything else is a 400 that names the keyword, never a
 grammar that silently enforces less. Tools' parameters are checked the same way, in every call
-format (gateway/formats/call_grammars.py).
+format (gateway/formats/call_grammars.py), when the tool is `strict`; a tool that is not (Claude
+Code's, most agents') is held to what a grammar can enforce of its schema, the rest left to the
+client that validates the call, as llama.cpp's own converter does (`enforceable`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,35 @@ class Grammar:
 def check_schema(schema: object, param: str, where: str = "schema") -> None:
     """A 400 naming the first keyword or bound a grammar could not enforce."""
     _check(schema, where, param)
+
+
+def enforceable(schema: object) -> object:
+    """`schema` without what no grammar here enforces: keywords the converter does not know
+    (`minimum`, `not`, ...), formats it has no rule for, and counts past MAX_REPETITIONS. What is
+    malformed is kept, for check_schema to refuse."""
+    if not isinstance(schema, dict):
+        return schema
+    kept = {}
+    for key, value in schema.items():
+        if key not in _ENFORCED | _ANNOTATIONS or (key == "format" and value not in _FORMATS):
+            continue
+        if key in _COUNTS | {"pattern"} and _too_many_repetitions(key, value):
+            continue
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            value = {name: enforceable(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties"):
+            value = enforceable(value)
+        elif key in ("prefixItems", "anyOf", "oneOf", "allOf") and isinstance(value, list):
+            value = [enforceable(sub) for sub in value]
+        kept[key] = value
+    return kept
+
+
+def _too_many_repetitions(key: str, value: object) -> bool:
+    if key == "pattern":
+        return isinstance(value, str) and any(
+            int(n) > MAX_REPETITIONS for pair in _REPEAT.findall(value) for n in pair if n)
+    return isinstance(value, int) and value > MAX_REPETITIONS
 
 
 def grammar_for(kind: str, json_schema: dict | None, param: str = PARAM) -> str | None:

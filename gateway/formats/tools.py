@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from gateway.edge.errors import invalid
-from gateway.formats.structured import grammar_for
+from gateway.formats.structured import enforceable, grammar_for
 
 TOOL_PROMPT = ("You can call tools. To call one, answer with only a JSON object "
                '{"name": <tool name>, "arguments": {<its arguments>}}. The tools:\n')
@@ -34,9 +34,20 @@ ANY_OBJECT = {"type": "object"}
 class Toolbox:
     """The tools a request offers and how it lets the model use them."""
 
-    functions: dict[str, dict]  # name -> {"name", "description", "parameters"}
+    functions: dict[str, dict]  # name -> {"name", "description", "parameters"}, as offered
     forced: str | None  # None: the model chooses; "": any tool; a name: that one
     parallel: bool = True  # several calls in one answer (parallel_tool_calls)
+    # name -> the schema a call's arguments are held to: a `strict` tool's parameters whole
+    # (what no grammar enforces is a 400), another's as far as a grammar enforces them.
+    schemas: dict[str, object] | None = None
+
+    def schema(self, name: str) -> object:
+        return (self.schemas or {}).get(name, self.functions[name]["parameters"])
+
+    def held_functions(self) -> dict[str, dict]:
+        """The functions with the parameters their calls are held to, for a call grammar."""
+        return {name: {**function, "parameters": self.schema(name)}
+                for name, function in self.functions.items()}
 
     @classmethod
     def of(cls, tools: list | None, tool_choice: object,
@@ -44,7 +55,7 @@ class Toolbox:
         """None when there are no tools to offer (or tool_choice is none)."""
         if not tools or tool_choice == "none":
             return None
-        functions = {}
+        functions, schemas = {}, {}
         for tool in tools:
             spec = tool.function
             if spec.name in functions:  # one would shadow the other (a namespace's, say)
@@ -52,6 +63,8 @@ class Toolbox:
                               "tools")
             functions[spec.name] = {"name": spec.name, "description": spec.description or "",
                                     "parameters": spec.parameters or ANY_OBJECT}
+            schemas[spec.name] = functions[spec.name]["parameters"] if spec.strict else \
+                enforceable(functions[spec.name]["parameters"])
         if tool_choice in (None, "auto"):
             forced = None
         elif tool_choice == "required":
@@ -61,7 +74,7 @@ class Toolbox:
             if forced not in functions:
                 raise invalid(f"tool_choice names '{forced}', which is not among the tools",
                               "tool_choice")
-        return cls(functions, forced, parallel is not False)
+        return cls(functions, forced, parallel is not False, schemas)
 
     def grammar(self) -> str | None:
         """A grammar over the call's JSON when a call is required; over only the arguments
@@ -69,13 +82,13 @@ class Toolbox:
         if self.forced is None:
             return None
         if self.forced:
-            return grammar_for("json_schema", {"schema": self.functions[self.forced][
-                "parameters"]}, param="tools")
+            return grammar_for("json_schema", {"schema": self.schema(self.forced)},
+                               param="tools")
         names = list(self.functions)
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": name},
-                                 "arguments": self.functions[name]["parameters"]}}
+                                 "arguments": self.schema(name)}}
                  for name in names]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return grammar_for("json_schema", {"schema": schema}, param="tools")

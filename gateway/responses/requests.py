@@ -444,8 +444,10 @@ def with_instructions(turns: list[Message], instructions: str | None) -> list[Me
 
 
 def _offered(tool: FunctionTool, name: str) -> Tool:
+    # Responses' function tools are strict unless they say otherwise (OpenAI's default).
     return Tool(type="function", function=FunctionSpec(
-        name=name[:64], description=tool.description, parameters=tool.parameters))
+        name=name[:64], description=tool.description, parameters=tool.parameters,
+        strict=tool.strict is not False))
 
 
 def _json_text(arguments: str) -> str:
