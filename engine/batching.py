@@ -5,7 +5,7 @@ decodes one token for every generating sequence and prompt chunks after them, al
 llama_decode call, and samples. Outputs go to each request's sink (in a worker process, an
 outbox sent once per step); nothing outside the engine thread ever waits on llama.cpp.
 
-Two modes (see README, "Engine modes"):
+Two modes (see docs/architecture.md, "Engine modes"):
 - default: F16 KV, one unified pool of cells for all sequences. A request whose prefix a live
   sequence holds shares those cells (`llama_memory_seq_cp`, no copy); the block pool supplies only
   what no live sequence holds. When the cells run out, the newest request is preempted: its blocks

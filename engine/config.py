@@ -44,7 +44,7 @@ class EngineConfig:
     kv_type: str | None = None  # None: the mode's own (f16, or q8_0 when deterministic)
     flash_attn: bool = True  # default mode only: the deterministic mode always uses it
     deterministic: bool = False
-    swa_full: bool = False  # see ContextShape.swa_full; README, "How it works", says why not
+    swa_full: bool = False  # see ContextShape.swa_full; docs/architecture.md says why not
     # The time between a running stream's tokens that prompt chunks beside it may stretch a
     # step to (engine/scheduler.py). docs/scheduler.md has the measurement that chose it.
     target_tpot_ms: float = 1000

@@ -2,12 +2,12 @@
 reading what they send, and replacing one that dies. The shared pool's side of their index
 calls is gateway/workers/shared_pool.py; the asyncio side of a request, gateway/workers/handles.py.
 
-Each worker gets a `multiprocessing` connection (a Unix socket pair: message framing and
-pickling of plain dataclasses from the standard library, no broker; see README "Workers").
-A reader thread per worker takes its messages: outputs go to the requests' asyncio queues, index
-calls are answered right there under the index's lock (never waiting for the event loop), and
-end of file means the worker died: its requests get a 503, everything it held in the pool is
-released, and a replacement starts.
+Each worker gets a `multiprocessing` connection (a Unix socket pair: message framing and pickling
+of plain dataclasses from the standard library, no broker; see docs/architecture.md, "Workers"). A
+reader thread per worker takes its messages: outputs go to the requests' asyncio queues, index
+calls are answered right there under the index's lock (never waiting for the event loop), and end
+of file means the worker died: its requests get a 503, everything it held in the pool is released,
+and a replacement starts.
 """
 
 from __future__ import annotations
