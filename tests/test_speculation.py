@@ -270,6 +270,7 @@ def _chi_squared_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3 if df else 0.0
 
 
+@pytest.mark.timeout(1200)  # 480 sampled answers, the test's power: a busy machine takes long
 def test_sampling_with_drafts_keeps_the_models_distribution(local_model):
     """Apart from seeds (where the draws are the same: see above), sampled tokens with drafts
     follow the distribution without. 240 seeds each at temperature 1, the greedy answer as a
