@@ -417,8 +417,12 @@ def test_earlier_answers_are_drafted_within_their_tenant(model_path, tmp_path):
             answer = client.chat.completions.create(
                 model=server.model_name, messages=messages, max_tokens=100,
                 temperature=0).choices[0].message.content
+            server.wait_idle()
+            after = counts()
+            while (now := counts()) != after:  # a worker's last snapshot may land after
+                after = now                      # the answer did: read until they hold
             drafted, accepted = ({source: now[source] - then[source] for source in now}
-                                 for now, then in zip(counts(), before, strict=True))
+                                 for now, then in zip(after, before, strict=True))
             return answer, drafted, accepted
 
         first, _, _ = ask("key-a", CHATS["json"])
