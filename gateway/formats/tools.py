@@ -36,17 +36,14 @@ class Toolbox:
 
     functions: dict[str, dict]  # name -> {"name", "description", "parameters"}, as offered
     forced: str | None  # None: the model chooses; "": any tool; a name: that one
-    parallel: bool = True  # several calls in one answer (parallel_tool_calls)
     # name -> the schema a call's arguments are held to: a `strict` tool's parameters whole
     # (what no grammar enforces is a 400), another's as far as a grammar enforces them.
-    schemas: dict[str, object] | None = None
-
-    def schema(self, name: str) -> object:
-        return (self.schemas or {}).get(name, self.functions[name]["parameters"])
+    schemas: dict[str, object]
+    parallel: bool = True  # several calls in one answer (parallel_tool_calls)
 
     def held_functions(self) -> dict[str, dict]:
         """The functions with the parameters their calls are held to, for a call grammar."""
-        return {name: {**function, "parameters": self.schema(name)}
+        return {name: {**function, "parameters": self.schemas[name]}
                 for name, function in self.functions.items()}
 
     @classmethod
@@ -74,7 +71,7 @@ class Toolbox:
             if forced not in functions:
                 raise invalid(f"tool_choice names '{forced}', which is not among the tools",
                               "tool_choice")
-        return cls(functions, forced, parallel is not False, schemas)
+        return cls(functions, forced, schemas, parallel is not False)
 
     def grammar(self) -> str | None:
         """A grammar over the call's JSON when a call is required; over only the arguments
@@ -82,13 +79,13 @@ class Toolbox:
         if self.forced is None:
             return None
         if self.forced:
-            return grammar_for("json_schema", {"schema": self.schema(self.forced)},
+            return grammar_for("json_schema", {"schema": self.schemas[self.forced]},
                                param="tools")
         names = list(self.functions)
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": name},
-                                 "arguments": self.schema(name)}}
+                                 "arguments": self.schemas[name]}}
                  for name in names]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return grammar_for("json_schema", {"schema": schema}, param="tools")
