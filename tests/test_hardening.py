@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.edge.errors import APIError
 from gateway.formats.prompts import PromptBuilder
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
@@ -247,7 +248,7 @@ def test_an_empty_prompt_for_a_model_without_bos_is_refused():
     model = SimpleNamespace(metadata={"tokenizer.chat_template": "{{ messages }}"},
                             bos_token=-1, eos_token=2, n_vocab=10,
                             token_text=lambda t: "" if t < 0 else "</s>")
-    with pytest.raises(ValueError, match="no BOS"):
+    with pytest.raises(APIError, match="no BOS"):
         PromptBuilder(model).completion("")
 
 

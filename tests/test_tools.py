@@ -116,6 +116,26 @@ def test_a_named_call_cut_short_comes_back_as_openai_returns_it(client, model_na
     assert call.function.arguments.replace(" ", "") in full.replace(" ", "")
 
 
+def test_a_call_cut_short_sent_back_renders_as_an_empty_object(client, model_name):
+    """A client replays our own answer, cut by max_tokens, in the next turn's history: its
+    arguments are not JSON. Rendered as an empty object, as Responses and Messages render
+    theirs, not a 400 for the template (chat alone refused it before)."""
+    cut = client.chat.completions.create(model=model_name, messages=ASK, tools=[WEATHER],
+                                         tool_choice=NAMED, max_tokens=3, temperature=0)
+    call = cut.choices[0].message.tool_calls[0].model_dump()
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call["function"]["arguments"])
+
+    def prompt_tokens(arguments: str) -> int:
+        replayed = {**call, "function": {**call["function"], "arguments": arguments}}
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [replayed]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": "cut short"}]
+        return client.chat.completions.create(model=model_name, messages=history,
+                                              tools=[WEATHER], max_tokens=1).usage.prompt_tokens
+
+    assert prompt_tokens(call["function"]["arguments"]) == prompt_tokens("{}")
+
+
 def test_auto_with_tools_still_answers_text(client, model_name):
     """Offered tools it has no use for, the model answers in text, streamed as it comes."""
     ask = {"model": model_name, "tools": [WEATHER, TIME], "tool_choice": "auto",

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.messages import GenerationRequest
 from gateway.core import bounds
 from gateway.core.bounds import at_most
 from gateway.core.conversation import (
@@ -34,7 +35,7 @@ from gateway.core.conversation import (
     NamedToolChoice,
     Tool,
 )
-from gateway.core.requests import Strict
+from gateway.core.requests import Generating, Serving, Strict, completion_room, sampler_settings
 from gateway.edge.errors import invalid
 from gateway.formats.chat_formats import Reasoning
 from gateway.formats.structured import Grammar, grammar_for
@@ -350,10 +351,10 @@ class CountTokensRequest(Strict):
         return self.model_copy(update=update)
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, Generating):
+    prompt_param: ClassVar[str] = "messages"
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: Annotated[list[str], at_most(bounds.STOP_SEQUENCES)] | None = None
-    stream: bool = False
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
@@ -368,6 +369,17 @@ class MessagesRequest(CountTokensRequest):
     def check_supported(self) -> None:
         super().check_supported()
         bounds.check_stop_strings(self.stop_sequences or [], "stop_sequences")
+
+    def to_generation(self, prompt_tokens: list[int], serving: Serving,
+                      calls: Grammar | None) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_tokens=prompt_tokens,
+            max_tokens=completion_room(len(prompt_tokens), serving.seq_len, self.max_tokens,
+                                       serving.max_tokens, self.prompt_param),
+            sampler=sampler_settings(serving.sampling, self.temperature, self.top_p,
+                                     self.top_k, grammar=self.output_grammar(calls)),
+            stop=list(self.stop_sequences or []),
+            namespace=serving.namespace)
 
     def output_grammar(self, calls: Grammar | None) -> Grammar | None:
         """A required call's grammar; else output_config.format's; else the calls' lazy one."""

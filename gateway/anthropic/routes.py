@@ -13,86 +13,54 @@ caching) is one more, on the request's last cacheable block: the whole prompt, t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import dataclasses
 
-import numpy as np
 from aiohttp import web
 
-from cache.tokens import common_prefix
-from engine.messages import GenerationRequest
 from gateway.anthropic.requests import CountTokensRequest, MessagesRequest
 from gateway.anthropic.wire import AnthropicWire
-from gateway.core.generation import Pin, Plan, admit, generate, json_response
-from gateway.core.requests import completion_room, parse_request, sampler_settings
+from gateway.core.generation import generate, json_response, read_body
 from gateway.core.service import Gateway
-from gateway.formats.chat_formats import OutputParser, call_grammar_of
-from gateway.formats.prompts import ChatPrompt
+from gateway.formats.prompts import RenderedPrompt, breakpoint_pins
 
 routes = web.RouteTableDef()
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    tokens: list[int]
-    pins: tuple[Pin, ...]  # one per cache_control breakpoint
-    parser: OutputParser | None
 
 
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(MessagesRequest, await request.read())
-    gateway.require_model(body.model)
-    admit(request)
+    body = await read_body(request, MessagesRequest)
     prompt = await asyncio.to_thread(_render, gateway, body)
     wire = AnthropicWire(body.model, prompt.parser, len(prompt.tokens),
                          max((pin.n_tokens for pin in prompt.pins), default=0))
-
-    def plan() -> Plan:
-        generation = GenerationRequest(
-            prompt_tokens=prompt.tokens,
-            max_tokens=completion_room(len(prompt.tokens), gateway.workers.seq_len,
-                                       body.max_tokens, gateway.config.limits.max_tokens,
-                                       "messages"),
-            sampler=sampler_settings(
-                gateway.config.sampling, body.temperature, body.top_p, body.top_k,
-                grammar=body.output_grammar(call_grammar_of(prompt.parser))),
-            stop=list(body.stop_sequences or []),
-            namespace=request["namespace"])
-        return Plan(generation, stream=body.stream, pins=prompt.pins)
-
-    return await generate(request, prompt.tokens, plan, wire)
+    return await generate(request, body, prompt, wire)
 
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as /v1/messages would render it, tools included."""
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(CountTokensRequest, await request.read())
-    gateway.require_model(body.model)
-    admit(request)
+    body = await read_body(request, CountTokensRequest)
     prompt = await asyncio.to_thread(_render, gateway, body, with_pins=False)
     return json_response({"input_tokens": len(prompt.tokens)})
 
 
 def _render(gateway: Gateway, body: CountTokensRequest, with_pins: bool = True
             ) -> RenderedPrompt:
-    """The prompt's tokens, and how far each breakpoint reaches into them: the request cut
-    after the marked block renders a prompt that shares exactly that much with the whole one
-    (whatever the chat template writes around the parts)."""
+    """The prompt, and how far each breakpoint reaches into it (breakpoint_pins)."""
     prompt = _chat(gateway, body)
-    tokens = prompt.tokens
-    pins = []
-    if with_pins:
-        whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
-        for mark in body.breakpoints():
-            cut = body.cut(mark.where)  # the whole request, when the mark is its last block
-            reach = len(tokens) if cut == body else \
-                common_prefix(whole, np.asarray(_chat(gateway, cut).tokens))
-            pins.append(Pin(reach, min(mark.seconds, longest)))
-    return RenderedPrompt(tokens, tuple(pins), prompt.parser)
+    if not with_pins:
+        return prompt
+
+    def cut_tokens(where: tuple) -> list[int]:
+        cut = body.cut(where)  # the whole request, when the mark is its last block
+        return prompt.tokens if cut == body else _chat(gateway, cut).tokens
+
+    pins = breakpoint_pins(prompt.tokens, [(m.where, m.seconds) for m in body.breakpoints()],
+                           cut_tokens, gateway.config.workers.pin_hours * 3600)
+    return dataclasses.replace(prompt, pins=pins)
 
 
-def _chat(gateway: Gateway, body: CountTokensRequest) -> ChatPrompt:
+def _chat(gateway: Gateway, body: CountTokensRequest) -> RenderedPrompt:
     keep = gateway.config.keep_billing_header
     return gateway.prompts.chat(body.chat_messages(keep), body.toolbox(), body.reasoning())

@@ -11,10 +11,10 @@ breakpoint, `input_tokens` are the rest; the three add up to the prompt.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from engine.messages import Output, Usage
+from gateway.core.conversation import arguments_value
 from gateway.core.generation import Choice, Event, Growth, Wire
 from gateway.edge.errors import APIError
 from gateway.formats.chat_formats import OutputParser, Part
@@ -133,7 +133,8 @@ def _block(part: Part) -> dict:
 def _filled(part: Part) -> dict:
     """What a whole content block holds."""
     if part.kind == "call":
-        return {"input": _arguments(part.text)}
+        value = arguments_value(part.text)  # an object, unless max_tokens cut the call
+        return {"input": value if isinstance(value, dict) else {}}
     return {"thinking" if part.kind == "reasoning" else "text": part.text}
 
 
@@ -143,12 +144,3 @@ def _delta(kind: str, text: str) -> dict:
     if kind == "reasoning":
         return {"type": "thinking_delta", "thinking": text}
     return {"type": "text_delta", "text": text}
-
-
-def _arguments(arguments: str) -> dict:
-    """A call's input; one cut short by max_tokens keeps what parses (nothing, usually)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}

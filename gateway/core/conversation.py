@@ -6,8 +6,9 @@ the chat template renders it (gateway/formats/prompts.py)."""
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -52,6 +53,21 @@ class TextPart(Strict):
 class CalledFunction(Strict):
     name: str
     arguments: str
+
+    def value(self) -> Any:
+        return arguments_value(self.arguments)
+
+
+def arguments_value(arguments: str) -> Any:
+    """A call's arguments decoded, as a chat template and Anthropic's tool_use take them. A
+    call cut short by max_tokens comes back partial, and clients send our answer back as it
+    came: what is not JSON is an empty object, on every API, not a 400 for our own output.
+    JSON of another type is the client's, as sent (a template that takes only objects says
+    so with a 400)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
 
 
 class CalledTool(Strict):

@@ -1,8 +1,10 @@
-"""The one generation path every API shares. An API handler parses its body and renders the
-prompt tokens; from there the path is the same for all of them:
+"""The one generation path every API shares. An API handler parses its body (a `Generating`
+request model) and renders its prompt (a `RenderedPrompt`); from there the path is the same for
+all of them:
 
-    rate limit (the prompt's tokens) -> the API's Plan (sampling, grammar: built on a thread)
-    -> the Redis tier on a local miss -> a worker (or a 429) -> pins -> outputs -> the Wire
+    rate limit (the prompt's tokens) -> the plan (the request's asks over the server's bounds;
+    its grammar: built on a thread) -> the Redis tier on a local miss -> a worker (or a 429)
+    -> pins -> outputs -> the Wire
 
 A Wire is all that differs: how one API words the outputs, whole or as a stream of events. One
 streaming loop (`_stream`) serves every API, with its deadline, its mid-stream errors and the
@@ -24,9 +26,11 @@ from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
 from gateway.core.cache_sources import HEADER, Held, header_value, held_for
+from gateway.core.requests import Generating, RequestT, Serving, parse_request
 from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
-from gateway.formats.chat_formats import OutputParser, Part
+from gateway.formats.chat_formats import OutputParser, Part, call_grammar_of
+from gateway.formats.prompts import Pin, RenderedPrompt
 from gateway.workers.handles import GenerationHandle
 from gateway.workers.shared_pool import SharedPool
 from gateway.workers.supervisor import Overloaded
@@ -45,17 +49,8 @@ replay: Callable[[str], str | None] | None = None
 
 
 @dataclass(frozen=True)
-class Pin:
-    """Keep the prompt's first `n_tokens` cached for `seconds`, past LRU (within the tenant's
-    share of the pin budget)."""
-
-    n_tokens: int
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Plan:
-    """What an API asks of the path for one request."""
+    """What a request asks of the path."""
 
     generation: GenerationRequest
     n: int = 1  # choices, sharing the prompt's cells
@@ -177,14 +172,15 @@ class Wire:
         raise NotImplementedError
 
 
-async def generate(request: web.Request, prompt_tokens: list[int],
-                   plan: Callable[[], Plan], wire: Wire) -> web.StreamResponse:
-    """prompt tokens -> (rate limit, plan, Redis tier, pins) -> worker -> the wire's answer."""
+async def generate(request: web.Request, body: Generating, prompt: RenderedPrompt,
+                   wire: Wire) -> web.StreamResponse:
+    """prompt -> (rate limit, plan, Redis tier, pins) -> worker -> the wire's answer."""
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
+    prompt_tokens = prompt.tokens
     admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
     # Building a grammar from a schema takes time: off the event loop the streams share.
-    planned = await asyncio.to_thread(plan)
+    planned = await asyncio.to_thread(_plan, request, body, prompt)
     generation = _in_format(gateway, planned.generation, wire)
     if replay is not None:
         generation = await asyncio.to_thread(_replayed, gateway, generation, prompt_tokens)
@@ -223,6 +219,24 @@ async def generate(request: web.Request, prompt_tokens: list[int],
         if gateway.config.log_prompts:
             log.info("tenant %r prompt %r answers %r", request["tenant"],
                      gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+def _plan(request: web.Request, body: Generating, prompt: RenderedPrompt) -> Plan:
+    """The request's asks over the server's bounds and defaults, the grammar of calls in the
+    model's format, the tokens it predicted, and its pins: the breakpoints' and, with 24h
+    retention, the whole prompt's."""
+    gateway: Gateway = request.app["gateway"]
+    serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
+                      gateway.config.limits.max_tokens, gateway.config.sampling,
+                      request["namespace"])
+    generation = body.to_generation(prompt.tokens, serving, call_grammar_of(prompt.parser))
+    if predicted := body.predicted_text():
+        generation = dataclasses.replace(generation, prediction=tuple(
+            gateway.model.tokenize(predicted, add_special=False, parse_special=False)))
+    pins = prompt.pins
+    if body.keeps_prompt():
+        pins = (Pin(len(prompt.tokens), gateway.config.workers.pin_hours * 3600), *pins)
+    return Plan(generation, body.n_choices(), body.stream, body.routing_key(), pins)
 
 
 def _routing(gateway: Gateway, generation: GenerationRequest
@@ -264,6 +278,16 @@ def _replayed(gateway: Gateway, generation: GenerationRequest, prompt_tokens: li
     script = tuple(gateway.prompts.tokenize_rendered(output))
     return dataclasses.replace(generation, sampler=dataclasses.replace(
         generation.sampler, script=script))
+
+
+async def read_body(request: web.Request, model: type[RequestT]) -> RequestT:
+    """A request's body, parsed as `model`, for a model this server serves, within its key's
+    rate limit: before any work on it."""
+    gateway: Gateway = request.app["gateway"]
+    body = parse_request(model, await request.read())
+    gateway.require_model(body.model)
+    admit(request)
+    return body
 
 
 def admit(request: web.Request) -> None:

@@ -1,15 +1,17 @@
 """How every API reads a request body: strict models (a field we do not know is a 400 naming
-it, never ignored), pydantic's complaints turned into the API's own 400, and the two rules every
-API shares when a request becomes a generation: the sampling it asks for over the server's
-defaults, and the completion room its prompt leaves."""
+it, never ignored), pydantic's complaints turned into the API's own 400, and what every API's
+request model answers when it becomes a generation (`Generating`), under the two rules they
+share: the sampling it asks for over the server's defaults, and the completion room its prompt
+leaves."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.messages import SamplerSettings
+from engine.messages import GenerationRequest, SamplerSettings
 from gateway.config import SamplingDefaults
 from gateway.core import bounds
 from gateway.edge.errors import APIError, invalid
@@ -21,6 +23,46 @@ class Strict(BaseModel):
 
     def check_supported(self) -> None:
         """Raises when the request asks for what this server does not do."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the server sets around a request's own asks when it becomes a generation."""
+
+    seq_len: int  # a sequence's tokens: the prompt's and the completion's
+    n_vocab: int
+    max_tokens: int | None  # --max-tokens
+    sampling: SamplingDefaults  # where the request leaves a parameter out
+    namespace: str  # the cache namespace of the request's key
+
+
+class Generating(Strict):
+    """A request that generates, as the one generation path plans it
+    (gateway/core/generation.py): each API's request model says what it asks for."""
+
+    prompt_param: ClassVar[str]  # what a prompt past the context is named in its 400
+    stream: bool = False
+
+    def to_generation(self, prompt_tokens: list[int], serving: Serving,
+                      calls: Grammar | None) -> GenerationRequest:
+        """`calls`: the grammar of tool calls in the model's syntax
+        (gateway/formats/call_grammars.py), None when no tools are offered."""
+        raise NotImplementedError
+
+    def n_choices(self) -> int:
+        return 1
+
+    def routing_key(self) -> str | None:
+        """What routes requests to the worker holding their prefix (prompt_cache_key)."""
+        return None
+
+    def keeps_prompt(self) -> bool:
+        """Whether the whole prompt is pinned past LRU (OpenAI's 24h retention)."""
+        return False
+
+    def predicted_text(self) -> str | None:
+        """The answer the client predicted, to draft from (chat's `prediction`)."""
+        return None
 
 
 def sampler_settings(defaults: SamplingDefaults, temperature: float | None,

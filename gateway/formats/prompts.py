@@ -1,18 +1,25 @@
 """Request -> prompt tokens, exactly as llama-cpp-python's `Llama.create_chat_completion` and
 `create_completion` build them, so both give the same tokens for the same input; and the parser
-of the answer, in the model's own format (gateway/formats/chat_formats.py)."""
+of the answer, in the model's own format (gateway/formats/chat_formats.py).
+
+Every API and /v1/cache/explain build the same `RenderedPrompt`; a template that cannot render
+a request is a 400 in one place (`render_chat`), on every API."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 from llama_cpp import llama_chat_format
 
+from cache.tokens import common_prefix
 from engine.llama import Model
 from gateway.core.conversation import Message
-from gateway.edge.errors import invalid
+from gateway.edge.errors import APIError, invalid
 from gateway.formats.builtin_templates import BuiltinTemplate
 from gateway.formats.chat_formats import (
     TEMPLATE_DEFAULT,
@@ -27,10 +34,41 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ChatPrompt:
-    text: str
+class Pin:
+    """Keep the prompt's first `n_tokens` cached for `seconds`, past LRU (within the tenant's
+    share of the pin budget)."""
+
+    n_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A request's prompt, as every API and /v1/cache/explain build it."""
+
+    text: str  # as rendered; a completion's prompt as sent ("" when sent as token ids)
     tokens: list[int]
-    parser: OutputParser | None  # reads the answer's reasoning and calls; None: plain text
+    parser: OutputParser | None = None  # reads the answer's reasoning and calls; None: plain
+    messages: list[Message] | None = None  # the conversation rendered; None: a completion's
+    pins: tuple[Pin, ...] = ()  # one per cache breakpoint the request marks
+
+
+Cut = TypeVar("Cut")
+
+
+def breakpoint_pins(tokens: list[int], marks: Iterable[tuple[Cut, float]],
+                    cut_tokens: Callable[[Cut], list[int]], longest: float) -> tuple[Pin, ...]:
+    """A pin per cache breakpoint, for its TTL (at most `longest`: --pin-hours), as far into
+    the prompt as the request cut after the marked part renders the same tokens (whatever the
+    template writes around the parts). A cut the template cannot render pins nothing."""
+    whole, pins = np.asarray(tokens), []
+    for cut, seconds in marks:
+        try:
+            reach = common_prefix(whole, np.asarray(cut_tokens(cut)))
+        except APIError:
+            continue
+        pins.append(Pin(reach, min(seconds, longest)))
+    return tuple(pins)
 
 
 class PromptBuilder:
@@ -59,10 +97,11 @@ class PromptBuilder:
         self.takes_system = self._takes_system()
 
     def chat(self, messages: list[Message], toolbox: Toolbox | None = None,
-             reasoning: Reasoning = TEMPLATE_DEFAULT) -> ChatPrompt:
+             reasoning: Reasoning = TEMPLATE_DEFAULT) -> RenderedPrompt:
         """A 400 when the template cannot render the messages (render_chat)."""
         text = self.render_chat(messages, toolbox, reasoning)
-        return ChatPrompt(text, self.tokenize_rendered(text), self.parser(toolbox, text))
+        return RenderedPrompt(text, self.tokenize_rendered(text), self.parser(toolbox, text),
+                              messages)
 
     def parser(self, toolbox: Toolbox | None, prompt_text: str) -> OutputParser | None:
         return self.format.parser(toolbox, prompt_text)
@@ -136,23 +175,26 @@ class PromptBuilder:
         if message.tool_calls:
             turn["tool_calls"] = [{"id": self.format.call_id(c.id), "type": "function",
                                    "function": {"name": c.function.name,
-                                                "arguments": json.loads(c.function.arguments)}}
+                                                "arguments": c.function.value()}}
                                   for c in message.tool_calls]
         if message.tool_call_id:
             turn["tool_call_id"] = self.format.call_id(message.tool_call_id)
         return turn
 
-    def completion(self, prompt: str | list[int]) -> list[int]:
+    def completion(self, prompt: str | list[int]) -> RenderedPrompt:
+        """A completion's prompt: its token ids as sent, or its text tokenized; a 400 naming
+        `prompt` when it cannot be run."""
         if isinstance(prompt, list):
             if any(not 0 <= t < self.model.n_vocab for t in prompt):
-                raise ValueError("prompt holds a token id outside the vocabulary")
-            return prompt
+                raise invalid("prompt holds a token id outside the vocabulary", "prompt")
+            return RenderedPrompt("", prompt)
         if prompt == "":
             if self.model.bos_token < 0:  # nothing to condition on: llama_decode would refuse
-                raise ValueError("prompt is empty, and this model has no BOS token to start "
-                                 "from")
-            return [self.model.bos_token]
-        return self.model.tokenize(prompt, add_special=True, parse_special=True)
+                raise invalid("prompt is empty, and this model has no BOS token to start from",
+                              "prompt")
+            return RenderedPrompt("", [self.model.bos_token])
+        return RenderedPrompt(prompt, self.model.tokenize(prompt, add_special=True,
+                                                          parse_special=True))
 
 
 def _role(message: Message) -> str:
@@ -163,7 +205,7 @@ def _role(message: Message) -> str:
 def _plain(message: Message) -> dict:
     """A message for a template without tools: a call is its JSON, a result a user turn."""
     if message.tool_calls:
-        calls = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+        calls = [{"name": c.function.name, "arguments": c.function.value()}
                  for c in message.tool_calls]
         return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1
                                                            else calls)}

@@ -13,12 +13,11 @@ search, moderation) is a 400 naming it."""
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.messages import GenerationRequest
-from gateway.config import SamplingDefaults
 from gateway.core import bounds
 from gateway.core.bounds import at_most
 from gateway.core.conversation import (
@@ -30,12 +29,11 @@ from gateway.core.conversation import (
     require_schema_name,
     written_breakpoints,
 )
-from gateway.core.requests import Strict, completion_room, sampler_settings
+from gateway.core.requests import Generating, Serving, Strict, completion_room, sampler_settings
 from gateway.edge.errors import invalid
 from gateway.formats.structured import Grammar, grammar_for
 from gateway.formats.tools import Toolbox
 
-NO_DEFAULTS = SamplingDefaults()  # the sampling OpenAI's API defines for what is left out
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -91,11 +89,11 @@ class ResponseFormat(Strict):
     json_schema: dict | None = None
 
 
-class _Sampling(Strict):
+class _Sampling(Generating):
     """Fields shared by chat and text completions."""
 
+    prompt_param: ClassVar[str] = "prompt"
     model: str
-    stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -150,23 +148,24 @@ class _Sampling(Strict):
         """None: no logprobs; k: the chosen token's and the k likeliest alternatives."""
         return None
 
-    def predicted_text(self) -> str | None:
-        """The answer the client predicted, to draft from (chat's `prediction`)."""
-        return None
+    def n_choices(self) -> int:
+        return self.n or 1
 
-    def to_generation(self, prompt_tokens: list[int], seq_len: int, n_vocab: int,
-                      max_tokens_cap: int | None = None, namespace: str = "",
-                      defaults: SamplingDefaults = NO_DEFAULTS,
+    def routing_key(self) -> str | None:
+        return self.prompt_cache_key
+
+    def keeps_prompt(self) -> bool:
+        return self.prompt_cache_retention == "24h"
+
+    def to_generation(self, prompt_tokens: list[int], serving: Serving,
                       calls: Grammar | None = None) -> GenerationRequest:
-        """`calls`: the grammar of tool calls in the model's syntax
-        (gateway/formats/call_grammars.py)."""
         return GenerationRequest(
             prompt_tokens=prompt_tokens,
-            max_tokens=completion_room(
-                len(prompt_tokens), seq_len, self.requested_max_tokens(), max_tokens_cap,
-                "messages" if isinstance(self, ChatCompletionRequest) else "prompt"),
+            max_tokens=completion_room(len(prompt_tokens), serving.seq_len,
+                                       self.requested_max_tokens(), serving.max_tokens,
+                                       self.prompt_param),
             sampler=sampler_settings(
-                defaults, self.temperature, self.top_p,
+                serving.sampling, self.temperature, self.top_p,
                 None if self.top_k is None else max(self.top_k, 0), self.min_p,
                 grammar=self.output_grammar(calls), seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
@@ -175,8 +174,8 @@ class _Sampling(Strict):
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            logit_bias=self._token_biases(n_vocab),
-            namespace=namespace,
+            logit_bias=self._token_biases(serving.n_vocab),
+            namespace=serving.namespace,
             logprobs=self.logprob_count(),
         )
 
@@ -196,6 +195,7 @@ class _Sampling(Strict):
 
 
 class ChatCompletionRequest(_Sampling):
+    prompt_param: ClassVar[str] = "messages"
     messages: Annotated[list[Message], Field(min_length=1, max_length=bounds.MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None

@@ -34,9 +34,10 @@ from gateway.core.requests import parse_request
 from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError, invalid
+from gateway.formats.prompts import RenderedPrompt
 from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
 from gateway.openai.routes import chat_prompt, completion_prompt
-from gateway.responses.requests import ResponsesRequest, with_instructions
+from gateway.responses.requests import ResponsesRequest
 from gateway.responses.routes import owner, response_prompt
 
 CONTEXT_CHARS = 40  # of text on each side of a divergence
@@ -45,12 +46,6 @@ FOLLOWING_TOKENS = 32  # of the cached path past it
 NO_MESSAGE = {"message": None, "role": None, "offset": None, "in_content": False}
 
 routes = web.RouteTableDef()
-
-
-@dataclass(frozen=True)
-class Rendered:
-    tokens: list[int]
-    messages: list[Message] | None  # as the template rendered them; None for a completion
 
 
 @dataclass(frozen=True)
@@ -128,7 +123,7 @@ def _named(gateway: Gateway, hashed: str | None) -> str:
     return named
 
 
-async def _render(request: web.Request, gateway: Gateway) -> Rendered:
+async def _render(request: web.Request, gateway: Gateway) -> RenderedPrompt:
     """The prompt as the endpoint the body is for renders it."""
     raw = await request.read()
     try:
@@ -136,15 +131,12 @@ async def _render(request: web.Request, gateway: Gateway) -> Rendered:
     except orjson.JSONDecodeError:
         raise invalid("We could not parse the JSON body of your request") from None
     if isinstance(fields, dict) and "messages" in fields:
-        chat = parse_request(ChatCompletionRequest, raw)
-        return Rendered((await chat_prompt(gateway, chat)).tokens, chat.messages)
+        return await chat_prompt(gateway, parse_request(ChatCompletionRequest, raw))
     if isinstance(fields, dict) and "input" in fields:
         body = parse_request(ResponsesRequest, raw)
-        prompt = await response_prompt(gateway, body, owner(request))
-        return Rendered(prompt.tokens, with_instructions(prompt.turns, body.instructions))
+        return (await response_prompt(gateway, body, owner(request))).prompt
     if isinstance(fields, dict) and "prompt" in fields:
-        completion = parse_request(CompletionRequest, raw)
-        return Rendered(await completion_prompt(gateway, completion), None)
+        return await completion_prompt(gateway, parse_request(CompletionRequest, raw))
     raise invalid("Explain takes the body of a chat completion (messages), a completion "
                   "(prompt) or a Responses request (input)")
 
@@ -161,7 +153,7 @@ def _find(gateway: Gateway, tokens: np.ndarray, namespace: str) -> Found:
                  report.pinned_tokens, following)
 
 
-def _divergence(gateway: Gateway, rendered: Rendered, found: Found, best: int,
+def _divergence(gateway: Gateway, rendered: RenderedPrompt, found: Found, best: int,
                 admin: bool) -> dict:
     """Where the longest cached path leaves the prompt: its first token no tier holds, as a
     place in the prompt's text and in its messages, with the prompt's text on both sides, and

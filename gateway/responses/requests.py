@@ -16,12 +16,12 @@ and the gateway counts and logs them, by type. Any other type is a 400 naming it
 
 from __future__ import annotations
 
-import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from engine.messages import GenerationRequest
 from gateway.core import bounds
 from gateway.core.bounds import at_most
 from gateway.core.conversation import (
@@ -37,13 +37,14 @@ from gateway.core.conversation import (
     require_schema_name,
     written_breakpoints,
 )
-from gateway.core.requests import Strict
+from gateway.core.requests import Generating, Serving, Strict, completion_room, sampler_settings
 from gateway.edge.errors import invalid
 from gateway.formats.chat_formats import Reasoning
 from gateway.formats.structured import Grammar, grammar_for
 from gateway.formats.tools import Toolbox
 
 NAMESPACE_SEPARATOR = "__"
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to get logprobs
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
                 "web_search_2025_08_26", "file_search", "code_interpreter", "computer",
                 "computer_use", "computer_use_preview", "image_generation", "mcp", "local_shell",
@@ -231,7 +232,8 @@ class TextConfig(Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(Generating):
+    prompt_param: ClassVar[str] = "input"
     model: str
     input: str | Annotated[list[InputItem], at_most(bounds.MESSAGES)]
     instructions: str | None = None
@@ -243,7 +245,6 @@ class ResponsesRequest(Strict):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
     include: Annotated[list[str], at_most(bounds.INCLUDE)] | None = None
@@ -376,6 +377,30 @@ class ResponsesRequest(Strict):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         return Toolbox.of(self.functions(), choice, self.parallel_tool_calls)
 
+    def to_generation(self, prompt_tokens: list[int], serving: Serving,
+                      calls: Grammar | None) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_tokens=prompt_tokens,
+            max_tokens=completion_room(len(prompt_tokens), serving.seq_len,
+                                       self.max_output_tokens, serving.max_tokens,
+                                       self.prompt_param),
+            sampler=sampler_settings(serving.sampling, self.temperature, self.top_p,
+                                     grammar=self.output_grammar(calls)),
+            namespace=serving.namespace,
+            logprobs=self.logprob_count())
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k likeliest alternatives."""
+        if LOGPROBS in (self.include or []) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
+
+    def routing_key(self) -> str | None:
+        return self.prompt_cache_key
+
+    def keeps_prompt(self) -> bool:
+        return self.prompt_cache_retention == "24h"
+
     def output_grammar(self, calls: Grammar | None) -> Grammar | None:
         """A required call's grammar; else text.format's; else the calls' lazy one."""
         if calls is not None and not calls.triggers:
@@ -413,7 +438,7 @@ class ResponsesRequest(Strict):
                 continue
             if isinstance(item, FunctionCallItem):
                 call = CalledTool(id=item.call_id, type="function", function=CalledFunction(
-                    name=item.offered_name(), arguments=_json_text(item.arguments)))
+                    name=item.offered_name(), arguments=item.arguments))
                 last = turns[-1] if turns else None
                 if last is not None and last.role == "assistant":  # a copy: history is shared
                     turns[-1] = last.model_copy(
@@ -448,13 +473,3 @@ def _offered(tool: FunctionTool, name: str) -> Tool:
     return Tool(type="function", function=FunctionSpec(
         name=name[:64], description=tool.description, parameters=tool.parameters,
         strict=tool.strict is not False))
-
-
-def _json_text(arguments: str) -> str:
-    """A call's arguments as the prompt renders them: JSON, or an empty object if they are
-    not (a call cut by the length limit comes back partial)."""
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return "{}"
-    return arguments

@@ -9,18 +9,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import redis
 from aiohttp import web
 
-from cache.tokens import common_prefix
-from engine.messages import GenerationRequest
 from gateway.core.conversation import CalledFunction, CalledTool, Message
-from gateway.core.generation import Choice, Pin, Plan, admit, generate, json_response
-from gateway.core.requests import completion_room, parse_request, sampler_settings
+from gateway.core.generation import Choice, generate, json_response, read_body
 from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
-from gateway.formats.chat_formats import OutputParser, call_grammar_of
+from gateway.formats.prompts import RenderedPrompt, breakpoint_pins
 from gateway.formats.tools import Toolbox
 from gateway.responses.requests import ResponsesRequest, with_instructions
 from gateway.responses.shared_store import DELETED
@@ -28,7 +24,6 @@ from gateway.responses.store import StoredResponse
 from gateway.responses.wire import ResponsesWire
 
 log = logging.getLogger(__name__)
-LOGPROBS = "message.output_text.logprobs"
 
 routes = web.RouteTableDef()
 _hosted_logged: set[str] = set()  # each hosted tool type is logged once
@@ -37,60 +32,41 @@ _hosted_logged: set[str] = set()  # each hosted tool type is logged once
 @routes.post("/v1/responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(ResponsesRequest, await request.read())
-    gateway.require_model(body.model)
-    admit(request)
+    body = await read_body(request, ResponsesRequest)
     _leave_out_hosted_tools(gateway, body)
-    prompt = await response_prompt(gateway, body, owner(request), with_pins=True)
+    context = await response_prompt(gateway, body, owner(request), with_pins=True)
+    prompt = context.prompt
     body.check_compaction(len(prompt.tokens))
-    logprobs = LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
     def store(done: dict, choice: Choice) -> None:
         if body.store:
             entry = StoredResponse.make(
                 done["id"], owner(request), done, body.input_items(),
-                [*prompt.turns, _answer(choice)], body.instructions, prompt.tools_text,
+                [*context.turns, _answer(choice)], body.instructions, context.tools_text,
                 prompt.text + choice.text, prompt.tokens + list(choice.generated),
-                prompt.parent)
+                context.parent)
             gateway.responses.put(entry)
             if gateway.shared_responses is not None:
                 gateway.shared_responses.put(entry)
 
+    token_bytes = gateway.model.token_piece if body.logprob_count() is not None else None
     wire = ResponsesWire(_echo(body), prompt.parser, body.namespaced(), len(prompt.tokens),
-                         gateway.model.token_piece if logprobs else None, store)
-
-    def plan() -> Plan:
-        tokens = prompt.tokens
-        generation = GenerationRequest(
-            prompt_tokens=tokens,
-            max_tokens=completion_room(len(tokens), gateway.workers.seq_len,
-                                       body.max_output_tokens, gateway.config.limits.max_tokens,
-                                       "input"),
-            sampler=sampler_settings(gateway.config.sampling, body.temperature, body.top_p,
-                                     grammar=body.output_grammar(call_grammar_of(prompt.parser))),
-            namespace=request["namespace"],
-            logprobs=(body.top_logprobs or 0) if logprobs else None)
-        pins = (Pin(len(tokens), gateway.config.workers.pin_hours * 3600),) \
-            if body.prompt_cache_retention == "24h" else ()
-        return Plan(generation, stream=body.stream, cache_key=body.prompt_cache_key,
-                    pins=pins + prompt.pins)
-
-    return await generate(request, prompt.tokens, plan, wire)
+                         token_bytes, store)
+    return await generate(request, body, prompt, wire)
 
 
 @dataclass(frozen=True)
-class RenderedPrompt:
+class ResponsePrompt:
+    """A Responses request's prompt, and what storing its response keeps beside it."""
+
+    prompt: RenderedPrompt  # its messages with the instructions
     turns: list[Message]  # the conversation, without instructions
     tools_text: str
-    text: str
-    tokens: list[int]
-    parser: OutputParser | None
     parent: StoredResponse | None  # the stored response whose conversation this one extends
-    pins: tuple[Pin, ...] = ()  # one per prompt_cache_breakpoint written
 
 
 async def response_prompt(gateway: Gateway, body: ResponsesRequest, owner: str,
-                          with_pins: bool = False) -> RenderedPrompt:
+                          with_pins: bool = False) -> ResponsePrompt:
     """The prompt of a Responses request, continuing the owner's stored response it names
     (POST /v1/responses and /v1/cache/explain)."""
     previous = None
@@ -103,7 +79,7 @@ async def response_prompt(gateway: Gateway, body: ResponsesRequest, owner: str,
 
 
 def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
-            previous: StoredResponse | None, with_pins: bool = False) -> RenderedPrompt:
+            previous: StoredResponse | None, with_pins: bool = False) -> ResponsePrompt:
     """The prompt. A continuation of a stored response with the same instructions and tools
     starts from that response's own tokens (its prompt's and its generated ones), followed by
     the new input as the template renders the next turn: its history is never tokenized again,
@@ -111,33 +87,30 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
     adds). Anything else is rendered afresh, and stored whole."""
     history = previous.conversation() if previous else None
     turns = body.turns(history)
+    messages = with_instructions(turns, body.instructions)
     tools_text = toolbox.system_text() if toolbox is not None else ""
-    text = gateway.prompts.render_chat(with_instructions(turns, body.instructions), toolbox,
-                                       body.reasoning_settings(), "input")
+    text = gateway.prompts.render_chat(messages, toolbox, body.reasoning_settings(), "input")
     continued = previous is not None and previous.instructions == body.instructions \
         and previous.tools_text == tools_text
-    tokens = _tokens(gateway, text, previous if continued else None)
+    extended = previous if continued else None
+    tokens = _tokens(gateway, text, extended)
     parent = None
     # Its history as it was (the input may add a call to the last assistant turn).
     if continued and text.startswith(previous.all_text()) \
             and all(kept is same for kept, same in zip(history, turns, strict=False)):
         parent = previous
-    pins = []
-    whole, longest = np.asarray(tokens), gateway.config.workers.pin_hours * 3600
-    for i, p, seconds in body.cache_breakpoints() if with_pins else ():
-        # The input cut after the marked part: as far as it renders the same, it is pinned
-        # (a cut the template cannot render pins nothing).
-        try:
-            cut = gateway.prompts.render_chat(
-                with_instructions(body.cut(i, p).turns(history), body.instructions), toolbox,
-                body.reasoning_settings(), "input")
-        except APIError:
-            continue
-        reach = common_prefix(whole, np.asarray(
-            _tokens(gateway, cut, previous if continued else None)))
-        pins.append(Pin(reach, min(seconds, longest)))
-    return RenderedPrompt(turns, tools_text, text, tokens,
-                          gateway.prompts.parser(toolbox, text), parent, tuple(pins))
+
+    def cut_tokens(cut: tuple[int, int]) -> list[int]:
+        cut_turns = with_instructions(body.cut(*cut).turns(history), body.instructions)
+        return _tokens(gateway, gateway.prompts.render_chat(
+            cut_turns, toolbox, body.reasoning_settings(), "input"), extended)
+
+    pins = breakpoint_pins(
+        tokens, [((i, p), seconds) for i, p, seconds in body.cache_breakpoints()],
+        cut_tokens, gateway.config.workers.pin_hours * 3600) if with_pins else ()
+    prompt = RenderedPrompt(text, tokens, gateway.prompts.parser(toolbox, text), messages,
+                            pins)
+    return ResponsePrompt(prompt, turns, tools_text, parent)
 
 
 def _tokens(gateway: Gateway, text: str, previous: StoredResponse | None) -> list[int]:
