@@ -1,23 +1,35 @@
 # `make serve` and `make test` each set everything up first: a virtual environment in .venv, the
 # package with its dependencies, llama-cpp-python built for this machine, and the default model.
+# `make setup BACKEND=vulkan` (or cuda, rocm, metal) builds llama-cpp-python for that GPU
+# backend instead, into the same .venv; later targets keep the backend it was set up with.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
+BACKEND ?= $(or $(shell cat $(VENV)/.backend 2>/dev/null),cpu)
 # Portable build: a native build (GGML_NATIVE=ON) dies with SIGILL on CPUs that report AMX the
 # virtual machine does not enable. AVX2 is the floor. GGML_OPENMP=OFF: ggml's own threadpool, since
 # OpenMP's decodes ~3x slower when llama_decode is called from any thread but the main one.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF
+# llama.cpp's own switch for each GPU backend, beside the CPU flags (its CPU backend runs the
+# layers that are not offloaded).
+GPU_CMAKE_ARGS_vulkan := -DGGML_VULKAN=ON
+GPU_CMAKE_ARGS_cuda := -DGGML_CUDA=ON
+GPU_CMAKE_ARGS_rocm := -DGGML_HIP=ON
+GPU_CMAKE_ARGS_metal := -DGGML_METAL=ON
 
-.PHONY: setup serve test lint bench system-deps agents image-check
+.PHONY: setup serve test test-vulkan lint bench system-deps agents image-check
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(BACKEND)
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-$(BACKEND): pyproject.toml deploy/build_llama_cpp.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[test]"
+	rm -f $(VENV)/.installed-*
+	deploy/build_llama_cpp.sh $(BACKEND) $(PY) "$(LLAMA_CMAKE_ARGS) $(GPU_CMAKE_ARGS_$(BACKEND))"
+	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m gateway.workers.model_store
+	echo $(BACKEND) > $(VENV)/.backend
 	touch $@
 
 serve: setup
@@ -28,6 +40,20 @@ lint: setup
 
 test: lint system-deps agents
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The GPU paths (tests marked `gpu`) on Vulkan through Mesa's software driver (lavapipe: a CPU
+# device, which llama.cpp uses only when GGML_VK_VISIBLE_DEVICES names it), with llama-cpp-python
+# built for Vulkan in a venv of its own (the first build takes minutes, then it is cached).
+# GGML_VK_DISABLE_FUSION: Debian 12's lavapipe (Mesa 22.3.6) segfaults running one of
+# llama.cpp's fused shaders (a flash-attention batch of 2+ rows after a one-row one); Mesa 25
+# does not, but takes minutes where Mesa 22 takes seconds. Real GPUs keep fusion.
+LAVAPIPE := /usr/share/vulkan/icd.d/lvp_icd.x86_64.json
+test-vulkan:
+	$(MAKE) setup VENV=.venv-vulkan BACKEND=vulkan
+	@test -e $(LAVAPIPE) || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers)
+	GGML_VK_VISIBLE_DEVICES=0 VK_ICD_FILENAMES=$(LAVAPIPE) GGML_VK_DISABLE_FUSION=1 \
+		.venv-vulkan/bin/python -m pytest -m gpu $(PYTEST_ARGS)
 
 # The agent CLIs the tests drive against the server, pinned, from npm (into .agents/; Claude
 # Code and Codex bring their native binaries as npm packages, ~360 and ~170 MB). npm comes

@@ -178,7 +178,13 @@ class Engine:
         self._answers = SuffixIndex()  # the answers given lately, drafted from
         # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
         # window cache, which forgets the positions the draft's end has passed.
-        self.speculation = config.speculation and not model.has_recurrent_state and \
+        on_device = model.placement is not None and model.placement.on_device
+        wanted = config.speculation if config.speculation is not None else not on_device
+        if config.speculation is None and on_device:
+            log.info("speculation off: on a GPU device a step verifying drafts rounds unlike "
+                     "single-token steps, so greedy output could differ (--speculation on "
+                     "keeps it)")
+        self.speculation = wanted and not model.has_recurrent_state and \
             (model.n_swa == 0 or config.swa_full)
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against the engine stopping or dying

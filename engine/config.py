@@ -6,6 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_TYPE_NAMES = ("f16", "q8_0")
+SPLIT_MODES = ("none", "layer", "row")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What of the model goes to the GPUs, as llama-server's flags say it
+    (engine/devices.py resolves it against the devices llama.cpp finds)."""
+
+    gpu_layers: int | str = "auto"  # a count, "all", or "auto": as many as the memory holds
+    devices: tuple[str, ...] | None = None  # by llama.cpp's names (Vulkan0); None: all; (): none
+    split_mode: str = "layer"  # across several devices: whole layers, or rows of each
+    tensor_split: tuple[float, ...] = ()  # each device's share; (): by free memory
+    main_gpu: int = 0  # with split_mode none: the one device used
+    kv_offload: bool = True  # KV on the device with its layers; False: in host memory
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,14 @@ class EngineConfig:
     # busy. A server plans by the clock.
     step_tokens: int | None = None
     # Draft tokens from the request's own text and verify them in the step (engine/speculation.py).
-    speculation: bool = True
+    # None: on, unless the model's layers are on a GPU device, where a step verifying drafts
+    # (more rows in its batch) rounds unlike single-token steps and greedy output can differ.
+    speculation: bool | None = True
     # Compute a fresh prompt in a context of its own, away from the pool's other sequences'
     # cells, and move it into the pool when done (engine/prefill_context.py).
     prefill_context: bool = True
     cache: CacheConfig = CacheConfig()
+    offload: Offload = Offload()
 
     def context_shape(self) -> ContextShape:
         if self.deterministic:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import llama_cpp as lc
 import numpy as np
 
 from engine.config import ContextShape
+from engine.devices import Device, ModelShape, Placement
 from engine.messages import SamplerSettings
 
 log = logging.getLogger(__name__)
@@ -70,14 +72,86 @@ def runtime_version() -> str:
     return lc.__version__
 
 
+# ggml's registry of backends and their devices (ggml-backend.h), which llama-cpp-python does
+# not wrap: the functions are found through libllama, which links them.
+_ggml = lc.llama_cpp._lib
+for _name, _restype, _argtypes in (
+        ("ggml_backend_dev_count", ctypes.c_size_t, []),
+        ("ggml_backend_dev_get", ctypes.c_void_p, [ctypes.c_size_t]),
+        ("ggml_backend_dev_by_name", ctypes.c_void_p, [ctypes.c_char_p]),
+        ("ggml_backend_dev_name", ctypes.c_char_p, [ctypes.c_void_p]),
+        ("ggml_backend_dev_description", ctypes.c_char_p, [ctypes.c_void_p]),
+        ("ggml_backend_dev_type", ctypes.c_int, [ctypes.c_void_p]),
+        ("ggml_backend_dev_memory", None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                          ctypes.POINTER(ctypes.c_size_t)]),
+        ("ggml_backend_reg_count", ctypes.c_size_t, []),
+        ("ggml_backend_reg_get", ctypes.c_void_p, [ctypes.c_size_t]),
+        ("ggml_backend_reg_name", ctypes.c_char_p, [ctypes.c_void_p])):
+    getattr(_ggml, _name).restype = _restype
+    getattr(_ggml, _name).argtypes = _argtypes
+_DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev_type
+_SPLIT_MODES = {"none": lc.LLAMA_SPLIT_MODE_NONE, "layer": lc.LLAMA_SPLIT_MODE_LAYER,
+                "row": lc.LLAMA_SPLIT_MODE_ROW}
+
+
+def backends() -> list[str]:
+    """The backends this llama.cpp build has: CPU, and Vulkan, CUDA, Metal... when built so."""
+    return [_ggml.ggml_backend_reg_name(_ggml.ggml_backend_reg_get(i)).decode()
+            for i in range(_ggml.ggml_backend_reg_count())]
+
+
+def devices() -> list[Device]:
+    """Every device the backends found, with its free and total memory now."""
+    found = []
+    for i in range(_ggml.ggml_backend_dev_count()):
+        dev = _ggml.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = _ggml.ggml_backend_dev_type(dev)
+        found.append(Device(_ggml.ggml_backend_dev_name(dev).decode(),
+                            _ggml.ggml_backend_dev_description(dev).decode(errors="replace"),
+                            _DEVICE_KINDS[kind] if kind < len(_DEVICE_KINDS) else "other",
+                            free.value, total.value))
+    return found
+
+
+def model_shape(path: str, n_cells: int, kv_type: str) -> ModelShape:
+    """What placing the model needs, from its metadata (its weights stay on disk): its layers,
+    its size, and one layer's KV for `n_cells` cells."""
+    model = Model(path, vocab_only=True)
+    try:
+        meta = model.metadata
+        arch = meta.get("general.architecture", "")
+
+        def number(key: str, default: int) -> int:
+            value = meta.get(f"{arch}.{key}", "")
+            return int(value) if value.isdigit() else default  # per-layer arrays: the default
+
+        n_embd = number("embedding_length", 0)
+        n_head = max(number("attention.head_count", 1), 1)
+        n_head_kv = number("attention.head_count_kv", n_head)
+        head_k = number("attention.key_length", n_embd // n_head)
+        head_v = number("attention.value_length", head_k)
+        cell_bytes = (head_k + head_v) * n_head_kv * (2 if kv_type == "f16" else 34 / 32)
+        return ModelShape(number("block_count", 1), os.path.getsize(path),
+                          int(cell_bytes * n_cells))
+    finally:
+        model.close()
+
+
 class Model:
     """Weights and vocabulary. Read-only after loading, so tokenization may run on any thread.
-    With `vocab_only` the weights stay on disk: enough to tokenize and render chat templates."""
+    With `vocab_only` the weights stay on disk: enough to tokenize and render chat templates.
+    `placement`: which layers go to which GPU devices; None: all stay on the CPU."""
 
-    def __init__(self, path: str, vocab_only: bool = False) -> None:
+    def __init__(self, path: str, vocab_only: bool = False,
+                 placement: Placement | None = None) -> None:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
         params.vocab_only = vocab_only
+        self.placement = placement
+        if placement is not None and placement.on_device:
+            self._offload(params, placement)
         self.path = path
         self.ptr = lc.llama_model_load_from_file(path.encode(), params)
         if not self.ptr:
@@ -88,6 +162,20 @@ class Model:
         self.metadata = self._read_metadata()
         eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
         self.eog_tokens = np.array(eog, dtype=np.int32)
+
+    def _offload(self, params: lc.llama_model_params, placement: Placement) -> None:
+        """The placement in llama.cpp's model parameters. The arrays are kept on the model:
+        llama.cpp reads them while it loads."""
+        params.n_gpu_layers = placement.gpu_layers
+        self._devices = (ctypes.c_void_p * (len(placement.devices) + 1))(
+            *(_ggml.ggml_backend_dev_by_name(d.name.encode()) for d in placement.devices), None)
+        params.devices = ctypes.cast(self._devices, ctypes.c_void_p).value
+        params.split_mode = _SPLIT_MODES[placement.split_mode]
+        params.main_gpu = placement.main_gpu
+        shares = list(placement.tensor_split)
+        self._tensor_split = (ctypes.c_float * lc.llama_max_devices())(
+            *shares, *[0.0] * (lc.llama_max_devices() - len(shares)))
+        params.tensor_split = ctypes.cast(self._tensor_split, ctypes.POINTER(ctypes.c_float))
 
     def _read_metadata(self) -> dict[str, str]:
         metadata = {}
@@ -208,6 +296,8 @@ class Context:
         params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if shape.flash_attn
                                   else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.type_k = params.type_v = KV_TYPES[shape.kv_type]
+        if model.placement is not None:
+            params.offload_kqv = model.placement.kv_offload
         self.model = model
         self.shape = shape
         self.ptr = lc.llama_init_from_model(model.ptr, params)

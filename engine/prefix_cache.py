@@ -281,7 +281,9 @@ def _probe_layout(ctx: Context, recurrent: bool) -> KVLayout:
     """Computes one token in sequence 0 to read the serialised layout, then forgets it."""
     batch = Batch(1)
     try:
-        batch.add([ctx.model.bos_token if ctx.model.bos_token >= 0 else 0], 0, 0, 0)
+        # With one output, as every later step has: a context whose first decode had none
+        # crashed on Vulkan (Mesa's lavapipe) at a later batch of several outputs.
+        batch.add([ctx.model.bos_token if ctx.model.bos_token >= 0 else 0], 0, 0, 1)
         ctx.decode(batch)
         state_bytes = len(ctx.sequence_state(0, partial=True)) if recurrent else 0
         if recurrent and not state_bytes:

@@ -23,7 +23,8 @@ import numpy as np
 from cache.arena import BlockArena
 from engine.batching import Engine
 from engine.config import EngineConfig
-from engine.llama import Model, openmp_build
+from engine.devices import PlacementError, place
+from engine.llama import Model, backends, devices, model_shape, openmp_build
 from engine.messages import (
     Attach,
     Cancel,
@@ -143,7 +144,11 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
         log.warning("llama.cpp was built with OpenMP: decoding from the engine thread runs ~3x "
                     "slower than from a main thread; rebuild llama-cpp-python with "
                     "CMAKE_ARGS=-DGGML_OPENMP=OFF")
-    model = Model(model_path)
+    try:
+        model = _load(model_path, config)
+    except PlacementError as exc:  # the flags name what is not there: nothing to serve
+        log.error("%s", exc)
+        raise SystemExit(2) from None
     engine = Engine(model, config, on_publish=publish)
     link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout))
     attach: Attach = conn.recv()
@@ -161,6 +166,21 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
         model.close()
     if engine.failure:
         raise SystemExit(1)
+
+
+def _load(model_path: str, config: EngineConfig) -> Model:
+    """The model, its layers on the devices the flags choose (engine/devices.py)."""
+    found = devices()
+    shape = config.context_shape()
+    # The worker's contexts: the pool's cells, and a fresh prompt's own (prefill_context.py).
+    cells = shape.n_ctx + (shape.n_ctx // config.parallel if config.prefill_context else 0)
+    placement = place(config.offload, found, model_shape(model_path, cells, shape.kv_type))
+    where = "every layer on the CPU" if not placement.on_device else \
+        f"{placement.gpu_layers} layers on {', '.join(d.name for d in placement.devices)}" + \
+        ("" if placement.kv_offload else ", their KV in host memory")
+    log.info("llama.cpp backends: %s; devices: %s; %s (%s)", ", ".join(backends()),
+             "; ".join(d.describe() for d in found), where, placement.why)
+    return Model(model_path, placement=placement)
 
 
 @dataclass

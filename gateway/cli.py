@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from cache.redis_tier import TierConfig
-from engine.config import KV_TYPE_NAMES, CacheConfig, EngineConfig
+from engine.config import KV_TYPE_NAMES, SPLIT_MODES, CacheConfig, EngineConfig, Offload
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_and_server(p.add_argument_group("model and server"))
     _sampling(p.add_argument_group("sampling defaults (for requests that leave them out)"))
     _engine(p.add_argument_group("engine (each worker's llama.cpp context)"))
+    _offload(p.add_argument_group("GPU offload (llama-server's flags; a build with a GPU "
+                                  "backend: make setup BACKEND=...)"))
     _workers(p.add_argument_group("worker processes and routing"))
     _prefix_cache(p.add_argument_group("prefix cache and its tiers"))
     _security_and_limits(p.add_argument_group("keys, tenants and limits"))
@@ -100,7 +102,8 @@ def _engine(p: argparse._ArgumentGroup) -> None:
                         "repeat, and verify them in the step's batch: the same output, sooner "
                         "where text is copied (default: on, but off with --no-flash-attn, "
                         "whose output is llama-cpp-python's: there a verified row rounds "
-                        "unlike a lone decode)")
+                        "unlike a lone decode; and off with layers on a GPU, whose steps "
+                        "round by their batch's size)")
     p.add_argument("--prefill-context", choices=("on", "off"), default="on",
                    help="compute a prompt with nothing cached in a context of its own (as many "
                         "KV cells as one sequence's share of --ctx-size) and move it into the "
@@ -108,6 +111,54 @@ def _engine(p: argparse._ArgumentGroup) -> None:
                         "time than among their cells (default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of each worker's llama.cpp context")
+
+
+def _offload(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--n-gpu-layers", "--gpu-layers", "-ngl", type=_gpu_layers,
+                   default=Offload.gpu_layers, metavar="N|auto|all",
+                   help="layers on the GPU devices: a number, all, or auto: as many as their "
+                        "free memory holds with their KV, keeping 1 GiB of each free "
+                        "(default %(default)s; without a GPU device, none)")
+    p.add_argument("--device", "-dev", type=_devices, default=None, metavar="DEV1,DEV2",
+                   help="the devices to offload to, by llama.cpp's names (--list-devices), or "
+                        "none (default: every GPU found)")
+    p.add_argument("--list-devices", action="store_true",
+                   help="print the devices this build of llama.cpp finds, and exit")
+    p.add_argument("--split-mode", "-sm", choices=SPLIT_MODES, default=Offload.split_mode,
+                   help="with several devices: whole layers to each (layer), rows of every "
+                        "layer to each (row), or one device only (none, --main-gpu)")
+    p.add_argument("--tensor-split", "-ts", type=_shares, default=(), metavar="N0,N1",
+                   help="each device's share of the model, e.g. 3,1 (default: by free memory)")
+    p.add_argument("--main-gpu", "-mg", type=int, default=Offload.main_gpu, metavar="INDEX",
+                   help="with --split-mode none, the device that holds the model "
+                        "(default %(default)s)")
+    p.add_argument("--no-kv-offload", "-nkvo", action="store_true",
+                   help="keep the KV in host memory, also for the layers on a GPU")
+
+
+def _gpu_layers(value: str) -> int | str:
+    if value in ("auto", "all"):
+        return value
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"a number of layers, auto or all, not {value!r}")
+    return int(value)
+
+
+def _devices(value: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("name a device, or none")
+    return () if names == ("none",) else names
+
+
+def _shares(value: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(share) for share in value.replace("/", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shares are numbers, as 3,1: not {value!r}") from None
+    if any(share < 0 for share in shares) or not any(shares):
+        raise argparse.ArgumentTypeError(f"shares are >= 0, one at least > 0: not {value!r}")
+    return shares
 
 
 def _workers(p: argparse._ArgumentGroup) -> None:
@@ -233,6 +284,15 @@ def _environment_twins(p: argparse.ArgumentParser) -> None:
                 action.default = action.type(env_value) if action.type else env_value
 
 
+def _list_devices() -> None:
+    """As llama-server's --list-devices: every device, and the backends of this build."""
+    from engine.llama import backends, devices
+
+    print(f"backends: {', '.join(backends())}")
+    for device in devices():
+        print(f"  {device.describe()}: {device.kind}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -248,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
                      "--top-k >= 0, --min-p 0..1")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.list_devices:
+        _list_devices()
+        return
     # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
     from gateway.core.service import ServerConfig
     from gateway.server import serve
@@ -268,9 +331,12 @@ def main(argv: list[str] | None = None) -> None:
                           target_tpot_ms=args.target_tpot_ms,
                           prefill_context=args.prefill_context == "on",
                           speculation=args.speculation == "on" if args.speculation
-                          else args.flash_attn == "on",
+                          else None if args.flash_attn == "on" else False,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
-                                            budget_mb=args.cache_mb, block_size=args.block_size))
+                                            budget_mb=args.cache_mb, block_size=args.block_size),
+                          offload=Offload(args.n_gpu_layers, args.device, args.split_mode,
+                                          args.tensor_split, args.main_gpu,
+                                          not args.no_kv_offload))
     config = ServerConfig(
         model_name=args.model_name or model_path.stem,
         workers=WorkersConfig(

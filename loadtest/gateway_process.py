@@ -29,7 +29,8 @@ class ServerProcess:
     """A server started as a subprocess on a free loopback port, stopped with SIGTERM."""
 
     def __init__(self, command: list[str], health_path: str, log_path: Path,
-                 cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+                 cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 health_timeout: float = 180) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -38,9 +39,9 @@ class ServerProcess:
         self.proc = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command],
                                      cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        self._wait_healthy(health_path)
+        self._wait_healthy(health_path, health_timeout)
 
-    def _wait_healthy(self, path: str, timeout: float = 180) -> None:
+    def _wait_healthy(self, path: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -68,10 +69,12 @@ class GatewayProcess(ServerProcess):
     """The real gateway, as a user would start it."""
 
     def __init__(self, model_path: Path, *args: str, source: Path = ROOT,
-                 env: dict[str, str] | None = None, module: str = "gateway") -> None:
+                 env: dict[str, str] | None = None, module: str = "gateway",
+                 health_timeout: float = 180) -> None:
         """`source`: the checkout whose gateway runs (another one for before/after figures);
         `env`: variables to add to this process's environment; `module`: the entry point
-        (the tests' own, tests.replay_gateway or tests.clocked_gateway, for their hooks)."""
+        (the tests' own, tests.replay_gateway or tests.clocked_gateway, for their hooks);
+        `health_timeout`: how long it may take to serve (a software GPU compiles shaders)."""
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None
@@ -82,7 +85,7 @@ class GatewayProcess(ServerProcess):
         super().__init__([sys.executable, "-m", module, "--model", str(model_path),
                           "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
-                         cwd=source, env=env)
+                         cwd=source, env=env, health_timeout=health_timeout)
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""

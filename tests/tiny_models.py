@@ -1,5 +1,7 @@
 """Tiny GGUF files with random weights for the architectures no small real model on PyPI has: a
-recurrent one (Mamba) and a hybrid one (LFM2: short convolutions beside attention layers).
+recurrent one (Mamba) and a hybrid one (LFM2: short convolutions beside attention layers); and
+a Llama of four small layers, for the GPU tests on a software device (make test-vulkan), where
+SmolLM2's 30 layers would take minutes a prompt.
 
 Written with the `gguf` package, llama.cpp's own converter library, with SmolLM2's tokenizer.
 Random weights are enough to prove that a restored state continues exactly as a recomputed one.
@@ -24,8 +26,8 @@ def tiny_model(architecture: str, model_dir: Path = MODEL_DIR) -> Path:
         partial = path.with_suffix(".part")
         writer = GGUFWriter(str(partial), architecture)
         n_vocab = _copy_tokenizer(writer, GGUFReader(str(default_model_path(model_dir))))
-        {"mamba": _mamba, "lfm2": _lfm2}[architecture](writer, n_vocab,
-                                                        np.random.default_rng(0))
+        {"mamba": _mamba, "lfm2": _lfm2, "llama": _llama}[architecture](
+            writer, n_vocab, np.random.default_rng(0))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -49,6 +51,34 @@ def _random(rng: np.random.Generator, *shape: int, scale: float = 0.2) -> np.nda
 
 def _ones(n: int) -> np.ndarray:
     return np.ones(n, np.float32)
+
+
+def _llama(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int = 4,
+           n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 512) -> None:
+    """Keys and tensors as llama.cpp's src/models/llama.cpp reads them; heads of 64 dimensions,
+    which every backend's flash attention takes. The output layer is the embeddings' (tied)."""
+    head_dim = n_embd // n_head
+    for key, value in {"context_length": 4096, "embedding_length": n_embd,
+                       "block_count": n_layer, "feed_forward_length": n_ff,
+                       "attention.head_count": n_head, "attention.head_count_kv": n_head_kv,
+                       "rope.dimension_count": head_dim}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tensor("token_embd.weight", _random(rng, n_vocab, n_embd, scale=1.0)
+                 .astype(np.float16))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        for name, tensor in {
+                "attn_norm.weight": _ones(n_embd), "ffn_norm.weight": _ones(n_embd),
+                "attn_q.weight": _random(rng, n_embd, n_embd),
+                "attn_k.weight": _random(rng, n_head_kv * head_dim, n_embd),
+                "attn_v.weight": _random(rng, n_head_kv * head_dim, n_embd),
+                "attn_output.weight": _random(rng, n_embd, n_embd),
+                "ffn_gate.weight": _random(rng, n_ff, n_embd),
+                "ffn_up.weight": _random(rng, n_ff, n_embd),
+                "ffn_down.weight": _random(rng, n_embd, n_ff)}.items():
+            w.add_tensor(f"blk.{i}.{name}", tensor)
 
 
 def _mamba(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int = 2,

@@ -248,7 +248,7 @@ def _routing(gateway: Gateway, generation: GenerationRequest
     if pool is None:
         return generation, held_for(gateway, generation, 0, 0), 0
     adopted = pool.fetch_from_tier(generation) if pool.tier is not None else 0
-    if gateway.config.workers.engine.speculation:
+    if gateway.config.workers.engine.speculation is not False:  # None: the worker decides
         generation = dataclasses.replace(generation, history=pool.history(
             generation, min(generation.max_tokens, HISTORY_TOKENS)))
     in_pool = pool.cached_length(generation)

@@ -1,0 +1,109 @@
+"""Where a model's layers go: the devices llama.cpp's backends found (engine/llama.py lists them)
+and the flags llama-server has (`--n-gpu-layers`, `--device`, `--split-mode`, `--tensor-split`,
+`--main-gpu`, `--no-kv-offload`), resolved into what llama.cpp's model parameters take.
+
+`auto` offloads as many layers as the chosen devices' free memory holds, each layer with its
+weights and (unless --no-kv-offload) its KV, keeping 1 GiB of each device free for compute
+buffers and others, as llama-server's own fitting does by default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import Offload
+
+DEVICE_HEADROOM = 1 << 30  # bytes kept free on each device (llama-server's --fit-target)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # llama.cpp's: Vulkan0, CUDA0, Metal
+    description: str
+    kind: str  # "gpu", "igpu" (host memory), "cpu" or "accel" (used beside the CPU: BLAS)
+    free: int  # bytes
+    total: int
+
+    @property
+    def offloads(self) -> bool:
+        """Layers can be placed on it (llama-server's --device takes no CPU device)."""
+        return self.kind in ("gpu", "igpu")
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.description}, {self.free >> 20} of {self.total >> 20} MiB free)"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What placing a model needs to know of it, read before its weights are loaded."""
+
+    n_layer: int
+    weight_bytes: int  # the GGUF's size
+    kv_bytes_per_layer: int  # one layer's K and V for every cell of the worker's contexts
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What llama.cpp's model parameters take."""
+
+    gpu_layers: int  # of n_layer + 1 (the output layer counts as one more, as in llama.cpp)
+    devices: tuple[Device, ...]  # those offloaded to; () with gpu_layers 0
+    split_mode: str
+    tensor_split: tuple[float, ...]
+    main_gpu: int
+    kv_offload: bool
+    why: str  # for the start-up log
+
+    @property
+    def on_device(self) -> bool:
+        return self.gpu_layers > 0
+
+
+class PlacementError(ValueError):
+    """The flags name what is not there: a device, a main GPU past the list, a split longer
+    than the devices."""
+
+
+def place(offload: Offload, found: list[Device], shape: ModelShape) -> Placement:
+    devices = _chosen(offload, found)
+    if offload.tensor_split and len(offload.tensor_split) > max(len(devices), 1):
+        raise PlacementError(f"--tensor-split has {len(offload.tensor_split)} shares for "
+                             f"{len(devices)} device(s)")
+    if devices and not 0 <= offload.main_gpu < len(devices):
+        raise PlacementError(f"--main-gpu {offload.main_gpu}: there are {len(devices)} "
+                             "device(s), counted from 0")
+    if offload.split_mode == "none" and devices:
+        devices = [devices[offload.main_gpu]]  # llama.cpp then puts every layer there
+    all_layers = shape.n_layer + 1
+    if not devices:
+        layers, why = 0, "no GPU device" if offload.devices is None else "--device none"
+    elif offload.gpu_layers == "all":
+        layers, why = all_layers, "--n-gpu-layers all"
+    elif offload.gpu_layers == "auto":
+        layers = _fitting(devices, shape, offload.kv_offload)
+        why = f"--n-gpu-layers auto: {layers} of {all_layers} fit in the free memory"
+    else:
+        layers, why = min(int(offload.gpu_layers), all_layers), \
+            f"--n-gpu-layers {offload.gpu_layers}"
+    return Placement(layers, tuple(devices) if layers else (), offload.split_mode,
+                     offload.tensor_split, 0 if offload.split_mode == "none" else
+                     offload.main_gpu, offload.kv_offload, why)
+
+
+def _chosen(offload: Offload, found: list[Device]) -> list[Device]:
+    """The devices layers may go to: those named, or every GPU llama.cpp found."""
+    if offload.devices is None:
+        return [d for d in found if d.offloads]
+    by_name = {d.name: d for d in found}
+    for name in offload.devices:
+        if name not in by_name or not by_name[name].offloads:
+            known = ", ".join(d.name for d in found if d.offloads) or "none"
+            raise PlacementError(f"--device {name}: no such GPU device (found: {known})")
+    return [by_name[name] for name in offload.devices]
+
+
+def _fitting(devices: list[Device], shape: ModelShape, kv_offload: bool) -> int:
+    """Layers whose weights (and KV) the devices' free memory holds, past the headroom."""
+    room = sum(max(d.free - DEVICE_HEADROOM, 0) for d in devices)
+    per_layer = shape.weight_bytes / (shape.n_layer + 1) + \
+        (shape.kv_bytes_per_layer if kv_offload else 0)
+    return min(int(room // per_layer), shape.n_layer + 1) if per_layer else shape.n_layer + 1

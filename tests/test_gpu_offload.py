@@ -1,0 +1,150 @@
+"""GPU offload: llama-server's flags resolved against the devices llama.cpp finds
+(engine/devices.py), and, in `make test-vulkan` (marked gpu), the real server with its layers on
+a Vulkan device: Mesa's software one (lavapipe), slow, so a tiny random-weight Llama and short
+prompts prove the paths, never the speed."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from engine.config import Offload
+from engine.devices import DEVICE_HEADROOM, Device, ModelShape, PlacementError, place
+from gateway.cli import build_parser
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import openai_client
+from tests.tiny_models import tiny_model
+
+MiB = 1 << 20
+CPU = Device("CPU", "the host", "cpu", 8 << 30, 8 << 30)
+BLAS = Device("BLAS", "a BLAS library", "accel", 0, 0)
+
+
+def gpu(name: str, free_mib: int) -> Device:
+    return Device(name, "a test GPU", "gpu", free_mib * MiB, 2 * free_mib * MiB)
+
+
+# 30 layers and the output: 31 of 10 MiB weights each, and 4 MiB of KV a layer.
+SHAPE = ModelShape(n_layer=30, weight_bytes=310 * MiB, kv_bytes_per_layer=4 * MiB)
+
+
+def test_without_a_gpu_device_every_layer_stays_on_the_cpu_whatever_is_asked():
+    for layers in ("auto", "all", 12):
+        placed = place(Offload(gpu_layers=layers), [CPU, BLAS], SHAPE)
+        assert placed.gpu_layers == 0 and not placed.on_device and placed.devices == ()
+        assert placed.why == "no GPU device"
+    assert place(Offload(gpu_layers="all", devices=()), [CPU, gpu("Vulkan0", 4096)],
+                 SHAPE).why == "--device none"
+
+
+def test_all_and_a_count():
+    found = [CPU, gpu("Vulkan0", 64)]  # far too small: `all` is what the user asked for
+    assert place(Offload(gpu_layers="all"), found, SHAPE).gpu_layers == 31
+    assert place(Offload(gpu_layers=12), found, SHAPE).gpu_layers == 12
+    assert place(Offload(gpu_layers=99), found, SHAPE).gpu_layers == 31
+
+
+def test_auto_offloads_what_the_free_memory_holds_past_a_gib_per_device():
+    headroom = DEVICE_HEADROOM // MiB
+    # 20 layers of weights and KV (14 MiB each) fit, the 21st does not.
+    placed = place(Offload(), [gpu("CUDA0", headroom + 20 * 14 + 5)], SHAPE)
+    assert placed.gpu_layers == 20 and placed.why.startswith("--n-gpu-layers auto: 20 of 31")
+    # Without KV on the device, weights alone: 28 of 10 MiB.
+    assert place(Offload(kv_offload=False), [gpu("CUDA0", headroom + 285)],
+                 SHAPE).gpu_layers == 28
+    # Two devices' room together; a device with less free than the headroom adds nothing.
+    found = [gpu("CUDA0", headroom + 140), gpu("CUDA1", headroom + 140), gpu("CUDA2", 500)]
+    assert place(Offload(), found, SHAPE).gpu_layers == 20
+    assert place(Offload(), [gpu("CUDA0", 100 * 1024)], SHAPE).gpu_layers == 31
+
+
+def test_devices_by_name_and_split_mode_none_on_the_main_gpu():
+    found = [CPU, gpu("Vulkan0", 4096), gpu("Vulkan1", 4096)]
+    assert [d.name for d in place(Offload(gpu_layers="all"), found, SHAPE).devices] == \
+        ["Vulkan0", "Vulkan1"]
+    named = place(Offload(gpu_layers="all", devices=("Vulkan1",)), found, SHAPE)
+    assert [d.name for d in named.devices] == ["Vulkan1"]
+    alone = place(Offload(gpu_layers="all", split_mode="none", main_gpu=1), found, SHAPE)
+    # llama.cpp is given the one device, so its main GPU is that list's first.
+    assert [d.name for d in alone.devices] == ["Vulkan1"] and alone.main_gpu == 0
+
+
+@pytest.mark.parametrize(("offload", "says"), [
+    (Offload(devices=("Vulkan7",)), "--device Vulkan7: no such GPU device (found: Vulkan0)"),
+    (Offload(devices=("CPU",)), "--device CPU: no such GPU device"),
+    (Offload(main_gpu=1), "--main-gpu 1: there are 1 device(s)"),
+    (Offload(tensor_split=(3.0, 1.0)), "--tensor-split has 2 shares for 1 device(s)")])
+def test_flags_naming_what_is_not_there_are_refused(offload, says):
+    with pytest.raises(PlacementError, match=re.escape(says)):
+        place(offload, [CPU, gpu("Vulkan0", 4096)], SHAPE)
+
+
+def test_the_flags_parse_as_llama_servers_do(monkeypatch):
+    parse = build_parser().parse_args
+    args = parse(["-ngl", "12", "-dev", "Vulkan0,Vulkan1", "-sm", "row", "-ts", "3,1",
+                  "-mg", "1", "-nkvo"])
+    assert (args.n_gpu_layers, args.device, args.split_mode, args.tensor_split,
+            args.main_gpu, args.no_kv_offload) == (12, ("Vulkan0", "Vulkan1"), "row",
+                                                   (3.0, 1.0), 1, True)
+    assert parse(["--n-gpu-layers", "all", "--device", "none"]).device == ()
+    defaults = parse([])
+    assert (defaults.n_gpu_layers, defaults.device, defaults.no_kv_offload) == \
+        ("auto", None, False)
+    for bad in (["-ngl", "most"], ["-ts", "3,x"], ["-ts", "0,0"], ["--device", ","]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    monkeypatch.setenv("PREFIXGATE_N_GPU_LAYERS", "all")
+    assert build_parser().parse_args([]).n_gpu_layers == "all"
+
+
+def test_the_cpu_build_serves_whatever_layers_are_asked_and_says_where_they_are():
+    """A build without a GPU backend (make test's) ignores -ngl as llama-server does, and
+    says so in the start-up log; naming a device that is not there stops the worker with the
+    reason in the log, and /health says the model did not load."""
+    server = GatewayProcess(tiny_model("llama"), "--n-gpu-layers", "all", "--parallel", "1",
+                            "--ctx-size", "512")
+    try:
+        log = server.log_path.read_text()
+        assert "llama.cpp backends: CPU" in log
+        assert "every layer on the CPU (no GPU device)" in log
+        answer = openai_client(server).completions.create(
+            model=server.model_name, prompt="Hello", max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens >= 1
+    finally:
+        server.stop()
+    # The gateway exits (a supervisor sees it); the error carries the log's tail.
+    with pytest.raises(RuntimeError, match=re.escape(
+            "--device Vulkan0: no such GPU device (found: none)")):
+        GatewayProcess(tiny_model("llama"), "--device", "Vulkan0", "--parallel", "1",
+                       "--ctx-size", "512")
+
+
+@pytest.mark.gpu
+def test_every_layer_on_a_vulkan_device_serves_and_a_pool_hit_answers_the_same():
+    """Every layer and the KV on the device: the second request loads its prompt's blocks
+    from the pool into device memory and answers as the first, computed cold, did.
+    Speculation is off by default there (its verifying steps round unlike single-token ones:
+    on lavapipe a step of 9 or more rows takes another kernel)."""
+    assert os.environ.get("GGML_VK_VISIBLE_DEVICES"), "make test-vulkan sets the device up"
+    server = GatewayProcess(tiny_model("llama"), "--n-gpu-layers", "all", "--device",
+                            "Vulkan0", "--parallel", "2", "--ctx-size", "1024",
+                            "--block-size", "16", health_timeout=900)
+    try:
+        client = openai_client(server)
+        prompt = [{"role": "user", "content": "Name three rivers of Europe and one of Asia, "
+                                              "with the seas they flow into."}]
+        first, second = (client.chat.completions.create(
+            model=server.model_name, messages=prompt, max_tokens=12, temperature=0)
+            for _ in range(2))
+        log = server.log_path.read_text()
+        assert "llama.cpp backends: Vulkan, CPU" in log, log[-2000:]
+        assert "5 layers on Vulkan0 (--n-gpu-layers all)" in log
+        assert "speculation off: on a GPU device" in log
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens >= 32  # two blocks of 16
+        assert first.usage.completion_tokens == 12
+        assert second.choices[0].message.content == first.choices[0].message.content
+    finally:
+        server.stop()
