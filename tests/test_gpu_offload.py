@@ -122,15 +122,21 @@ def test_the_cpu_build_serves_whatever_layers_are_asked_and_says_where_they_are(
 
 
 @pytest.mark.gpu
-def test_every_layer_on_a_vulkan_device_serves_and_a_pool_hit_answers_the_same():
-    """Every layer and the KV on the device: the second request loads its prompt's blocks
-    from the pool into device memory and answers as the first, computed cold, did.
-    Speculation is off by default there (its verifying steps round unlike single-token ones:
-    on lavapipe a step of 9 or more rows takes another kernel)."""
+@pytest.mark.parametrize(("flags", "placed"), [
+    (("--n-gpu-layers", "all"), "5 layers on Vulkan0 (--n-gpu-layers all)"),
+    (("--n-gpu-layers", "2"), "2 layers on Vulkan0 (--n-gpu-layers 2)"),
+    (("--n-gpu-layers", "all", "--no-kv-offload"),
+     "5 layers on Vulkan0, their KV in host memory (--n-gpu-layers all)")],
+    ids=["all", "partial", "kv-on-host"])
+def test_layers_on_a_vulkan_device_serve_and_a_pool_hit_answers_the_same(flags, placed):
+    """Layers on the device (all, some, or all with the KV in host memory): the second request
+    loads its prompt's blocks from the pool into the context and answers as the first,
+    computed cold, did. Speculation is off by default there (its verifying steps round unlike
+    single-token ones: on lavapipe a step of 9 or more rows takes another kernel)."""
     assert os.environ.get("GGML_VK_VISIBLE_DEVICES"), "make test-vulkan sets the device up"
-    server = GatewayProcess(tiny_model("llama"), "--n-gpu-layers", "all", "--device",
-                            "Vulkan0", "--parallel", "2", "--ctx-size", "1024",
-                            "--block-size", "16", health_timeout=900)
+    server = GatewayProcess(tiny_model("llama"), *flags, "--device", "Vulkan0",
+                            "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
+                            health_timeout=900)
     try:
         client = openai_client(server)
         prompt = [{"role": "user", "content": "Name three rivers of Europe and one of Asia, "
@@ -140,7 +146,7 @@ def test_every_layer_on_a_vulkan_device_serves_and_a_pool_hit_answers_the_same()
             for _ in range(2))
         log = server.log_path.read_text()
         assert "llama.cpp backends: Vulkan, CPU" in log, log[-2000:]
-        assert "5 layers on Vulkan0 (--n-gpu-layers all)" in log
+        assert placed in log
         assert "speculation off: on a GPU device" in log
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens >= 32  # two blocks of 16
