@@ -14,7 +14,10 @@ from engine.config import Offload
 from engine.devices import DEVICE_HEADROOM, Device, ModelShape, PlacementError, place
 from gateway.cli import build_parser
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import openai_client
+from tests.conftest import cached_and_uncached, openai_client
+from tests.test_recurrent import ARGS as RECURRENT_ARGS
+from tests.test_recurrent import complete, text
+from tests.test_redis_tier import wait_stored
 from tests.tiny_models import tiny_model
 
 MiB = 1 << 20
@@ -121,6 +124,11 @@ def test_the_cpu_build_serves_whatever_layers_are_asked_and_says_where_they_are(
                        "--ctx-size", "512")
 
 
+ON_THE_DEVICE = ("--n-gpu-layers", "all", "--device", "Vulkan0")
+CHAT = [{"role": "user", "content": "Name three rivers of Europe and one of Asia, with the "
+                                    "seas they flow into."}]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("flags", "placed"), [
     (("--n-gpu-layers", "all"), "5 layers on Vulkan0 (--n-gpu-layers all)"),
@@ -139,10 +147,8 @@ def test_layers_on_a_vulkan_device_serve_and_a_pool_hit_answers_the_same(flags, 
                             health_timeout=900)
     try:
         client = openai_client(server)
-        prompt = [{"role": "user", "content": "Name three rivers of Europe and one of Asia, "
-                                              "with the seas they flow into."}]
         first, second = (client.chat.completions.create(
-            model=server.model_name, messages=prompt, max_tokens=12, temperature=0)
+            model=server.model_name, messages=CHAT, max_tokens=12, temperature=0)
             for _ in range(2))
         log = server.log_path.read_text()
         assert "llama.cpp backends: Vulkan, CPU" in log, log[-2000:]
@@ -154,3 +160,42 @@ def test_layers_on_a_vulkan_device_serve_and_a_pool_hit_answers_the_same(flags, 
         assert second.choices[0].message.content == first.choices[0].message.content
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ["mamba", "lfm2"])
+def test_a_recurrent_state_kept_from_the_device_resumes_exactly(architecture):
+    """A recurrent (Mamba) and a hybrid (LFM2) model with every layer on the device: a prompt
+    sharing another's prefix resumes from the state kept at its last block boundary, and its
+    text and every top-3 logprob equal a cold prefill's on the same device."""
+    servers = cached_and_uncached(tiny_model(architecture), *RECURRENT_ARGS, *ON_THE_DEVICE)
+    cached, uncached = next(servers)
+    try:
+        prefix = text(200, 1)
+        complete(cached, prefix + " and then the first ending")
+        warm = complete(cached, prefix + " but later a second ending")
+        cold = complete(uncached, prefix + " but later a second ending")
+        assert warm[2].prompt_tokens_details.cached_tokens > 0
+        assert warm[:2] == cold[:2]
+    finally:
+        next(servers, None)
+
+
+@pytest.mark.gpu
+def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_redis(redis_url):
+    url, _ = redis_url
+    args = (*ON_THE_DEVICE, "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
+            "--redis-url", url)
+    first = GatewayProcess(tiny_model("llama"), *args, health_timeout=900)
+    second = GatewayProcess(tiny_model("llama"), *args, health_timeout=900)
+    try:
+        cold = openai_client(first).chat.completions.create(
+            model=first.model_name, messages=CHAT, max_tokens=12, temperature=0)
+        wait_stored(first, cold.usage.prompt_tokens // 16)
+        warm = openai_client(second).chat.completions.create(
+            model=second.model_name, messages=CHAT, max_tokens=12, temperature=0)
+        assert warm.usage.prompt_tokens_details.cached_tokens >= 32
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+    finally:
+        first.stop()
+        second.stop()
