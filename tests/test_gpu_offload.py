@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 
@@ -18,6 +21,7 @@ from tests.conftest import cached_and_uncached, openai_client
 from tests.test_recurrent import ARGS as RECURRENT_ARGS
 from tests.test_recurrent import complete, text
 from tests.test_redis_tier import wait_stored
+from tests.test_workers import stream_events, wait_for_health
 from tests.tiny_models import tiny_model
 
 MiB = 1 << 20
@@ -199,3 +203,41 @@ def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_re
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.mark.gpu
+def test_a_worker_killed_mid_stream_on_the_device_leaks_nothing_and_is_replaced():
+    """SIGKILL under a stream: the stream ends with an error event, a replacement worker loads
+    the layers onto the device again and answers as before, and the pool holds no block and
+    the cells no sequence of the killed request (the pool's consistency check passes)."""
+    server = GatewayProcess(tiny_model("llama"), *ON_THE_DEVICE, "--parallel", "2",
+                            "--ctx-size", "1024", "--block-size", "16", health_timeout=900)
+    try:
+        client = openai_client(server)
+        cold = client.chat.completions.create(model=server.model_name, messages=CHAT,
+                                              max_tokens=12, temperature=0)
+        victim = server.health()[1]["workers"][0]
+        started, events = threading.Event(), []
+        reader = threading.Thread(target=stream_events, args=(
+            server, server.model_name, "Tell a very long story.", started, events))
+        reader.start()
+        assert started.wait(120)
+        deadline = time.monotonic() + 60
+        while server.per_worker("prefixgate_worker_requests_running")["0"] != 1:
+            assert time.monotonic() < deadline, "the worker does not run the stream"
+            time.sleep(0.05)
+        os.kill(victim["pid"], signal.SIGKILL)
+        reader.join(120)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_unavailable"
+        replaced = wait_for_health(server, "ok", timeout=300)
+        assert replaced["workers"][0]["pid"] != victim["pid"]
+        warm = client.chat.completions.create(model=server.model_name, messages=CHAT,
+                                              max_tokens=12, temperature=0)
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+        metrics = server.settled()
+        assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+        assert metrics["prefixgate_kv_cells_used"] == 0
+        assert server.consistency()["ok"], server.consistency()
+        assert server.log_path.read_text().count("5 layers on Vulkan0") == 2
+    finally:
+        server.stop()
