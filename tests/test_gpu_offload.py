@@ -21,6 +21,9 @@ from tests.conftest import cached_and_uncached, openai_client
 from tests.test_recurrent import ARGS as RECURRENT_ARGS
 from tests.test_recurrent import complete, text
 from tests.test_redis_tier import wait_stored
+from tests.test_sliding_window import ARGS as WINDOW_ARGS
+from tests.test_sliding_window import chat, rules
+from tests.test_sliding_window import complete as complete_top5
 from tests.test_workers import stream_events, wait_for_health
 from tests.tiny_models import tiny_model
 
@@ -181,6 +184,38 @@ def test_a_recurrent_state_kept_from_the_device_resumes_exactly(architecture):
         cold = complete(uncached, prefix + " but later a second ending")
         assert warm[2].prompt_tokens_details.cached_tokens > 0
         assert warm[:2] == cold[:2]
+    finally:
+        next(servers, None)
+
+
+@pytest.mark.gpu
+def test_a_sliding_window_model_on_the_device_hits_past_its_window_and_chats_exactly():
+    """Gemma 3's shape (five of six layers see the last 32 positions) on the device: a prompt
+    sharing a prefix three windows long continues with the text and top-5 tokens of a cold
+    prefill; a chat's later turns read their history from the cache and answer as the uncached
+    gateway does. The logprobs agree to 0.01 (on logits of ~180), not bit for bit as on the
+    CPU: the device's kernels round a row by the size of its batch (the warm request computes
+    8 rows, the cold one 180)."""
+    servers = cached_and_uncached(tiny_model("gemma3"), *WINDOW_ARGS, *ON_THE_DEVICE)
+    cached, uncached = next(servers)
+    try:
+        system = rules(8)
+        complete_top5(cached, system + "\nToday the keeper writes:")
+        warm = complete_top5(cached, system + "\nAt dawn the keeper sees")
+        cold = complete_top5(uncached, system + "\nAt dawn the keeper sees")
+        assert warm[2].prompt_tokens_details.cached_tokens > 96  # past three windows
+        assert warm[0] == cold[0]
+        for hot, reference in zip(warm[1], cold[1], strict=True):
+            assert hot.keys() == reference.keys()
+            assert all(abs(hot[token] - reference[token]) < 0.01 for token in hot)
+        history = [{"role": "system", "content": system}]
+        for turn, question in enumerate(["Which ship came at hour 5?", "And then?"]):
+            history.append({"role": "user", "content": question})
+            warm, cold = chat(cached, history, 12), chat(uncached, history, 12)
+            assert warm[0] == cold[0], f"turn {turn}"
+            if turn:
+                assert warm[2].prompt_tokens_details.cached_tokens > 96
+            history.append({"role": "assistant", "content": warm[0]})
     finally:
         next(servers, None)
 

@@ -1,7 +1,8 @@
 """Tiny GGUF files with random weights for the architectures no small real model on PyPI has: a
 recurrent one (Mamba) and a hybrid one (LFM2: short convolutions beside attention layers); and
-a Llama of four small layers, for the GPU tests on a software device (make test-vulkan), where
-SmolLM2's 30 layers would take minutes a prompt.
+a Llama of four small layers and a Gemma 3 of six (five of them sliding-window), for the GPU tests
+on a software device (make test-vulkan), where SmolLM2 and Gemma 3 270M would take minutes a
+prompt.
 
 Written with the `gguf` package, llama.cpp's own converter library, with SmolLM2's tokenizer.
 Random weights are enough to prove that a restored state continues exactly as a recomputed one.
@@ -26,7 +27,7 @@ def tiny_model(architecture: str, model_dir: Path = MODEL_DIR) -> Path:
         partial = path.with_suffix(".part")
         writer = GGUFWriter(str(partial), architecture)
         n_vocab = _copy_tokenizer(writer, GGUFReader(str(default_model_path(model_dir))))
-        {"mamba": _mamba, "lfm2": _lfm2, "llama": _llama}[architecture](
+        {"mamba": _mamba, "lfm2": _lfm2, "llama": _llama, "gemma3": _gemma3}[architecture](
             writer, n_vocab, np.random.default_rng(0))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -75,6 +76,38 @@ def _llama(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int =
                 "attn_k.weight": _random(rng, n_head_kv * head_dim, n_embd),
                 "attn_v.weight": _random(rng, n_head_kv * head_dim, n_embd),
                 "attn_output.weight": _random(rng, n_embd, n_embd),
+                "ffn_gate.weight": _random(rng, n_ff, n_embd),
+                "ffn_up.weight": _random(rng, n_ff, n_embd),
+                "ffn_down.weight": _random(rng, n_embd, n_ff)}.items():
+            w.add_tensor(f"blk.{i}.{name}", tensor)
+
+
+def _gemma3(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int = 6,
+            n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 512,
+            window: int = 32) -> None:
+    """Keys and tensors as llama.cpp's src/models/gemma3.cpp reads them: every sixth layer
+    attends to the whole context, the others to the last `window` positions."""
+    head_dim = n_embd // n_head
+    for key, value in {"context_length": 4096, "embedding_length": n_embd,
+                       "block_count": n_layer, "feed_forward_length": n_ff,
+                       "attention.head_count": n_head, "attention.head_count_kv": n_head_kv,
+                       "attention.key_length": head_dim, "attention.value_length": head_dim,
+                       "attention.sliding_window": window}.items():
+        w.add_uint32(f"gemma3.{key}", value)
+    w.add_float32("gemma3.rope.freq_base", 1e6)
+    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tensor("token_embd.weight", _random(rng, n_vocab, n_embd, scale=1.0)
+                 .astype(np.float16))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        for name, tensor in {
+                "attn_norm.weight": _ones(n_embd), "post_attention_norm.weight": _ones(n_embd),
+                "ffn_norm.weight": _ones(n_embd), "post_ffw_norm.weight": _ones(n_embd),
+                "attn_q_norm.weight": _ones(head_dim), "attn_k_norm.weight": _ones(head_dim),
+                "attn_q.weight": _random(rng, n_head * head_dim, n_embd),
+                "attn_k.weight": _random(rng, n_head_kv * head_dim, n_embd),
+                "attn_v.weight": _random(rng, n_head_kv * head_dim, n_embd),
+                "attn_output.weight": _random(rng, n_embd, n_head * head_dim),
                 "ffn_gate.weight": _random(rng, n_ff, n_embd),
                 "ffn_up.weight": _random(rng, n_ff, n_embd),
                 "ffn_down.weight": _random(rng, n_embd, n_ff)}.items():
