@@ -17,7 +17,7 @@ from engine.config import Offload
 from engine.devices import DEVICE_HEADROOM, Device, ModelShape, PlacementError, place
 from gateway.cli import build_parser
 from loadtest.gateway_process import GatewayProcess
-from tests.conftest import cached_and_uncached, openai_client
+from tests.conftest import across_a_restart, cached_and_uncached, openai_client
 from tests.test_recurrent import ARGS as RECURRENT_ARGS
 from tests.test_recurrent import complete, text
 from tests.test_redis_tier import wait_stored
@@ -238,6 +238,21 @@ def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_re
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.mark.gpu
+def test_a_restart_with_a_cache_dir_loads_its_prefixes_onto_the_device(tmp_path):
+    args = (*ON_THE_DEVICE, "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
+            "--cache-dir", str(tmp_path))
+
+    def ask(server: GatewayProcess) -> tuple[str, int]:
+        r = openai_client(server).chat.completions.create(
+            model=server.model_name, messages=CHAT, max_tokens=12, temperature=0)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    (cold, cold_cached), (warm, warm_cached) = across_a_restart(tiny_model("llama"), args, ask)
+    assert cold_cached == 0 and warm_cached >= 32
+    assert warm == cold
 
 
 @pytest.mark.gpu
