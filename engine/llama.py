@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 
 import llama_cpp as lc
 import numpy as np
 
 from engine.config import ContextShape
 from engine.devices import Device, ModelShape, Placement
-from engine.messages import SamplerSettings
+from engine.messages import MemoryBuffer, SamplerSettings
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,18 @@ _LLAMA_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 _RESTATED_WARNINGS = (b"possible training context overflow",)
 
 
+# What llama.cpp allocated, read from its INFO lines as it loads a model and creates contexts
+# ("load_tensors: Vulkan0 model buffer size = 33.01 MiB"): it has no API for it that
+# llama-cpp-python wraps. (buffer, kind) -> MiB, added up over the process's contexts.
+_BUFFER_LINE = re.compile(rb"(\S+) +(model|KV|RS|compute|output) buffer size = +([0-9.]+) MiB")
+_allocated: dict[tuple[str, str], float] = {}
+
+
 @lc.llama_log_callback
 def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if level == 2 and (found := _BUFFER_LINE.search(text)):
+        key = (found[1].decode(), found[2].decode())
+        _allocated[key] = _allocated.get(key, 0.0) + float(found[3])
     # llama.cpp is chatty at INFO level; pass on only warnings and errors.
     if level in _LLAMA_LOG_LEVELS:
         severity = logging.INFO if any(note in text for note in _RESTATED_WARNINGS) \
@@ -92,6 +103,13 @@ for _name, _restype, _argtypes in (
 _DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev_type
 _SPLIT_MODES = {"none": lc.LLAMA_SPLIT_MODE_NONE, "layer": lc.LLAMA_SPLIT_MODE_LAYER,
                 "row": lc.LLAMA_SPLIT_MODE_ROW}
+
+
+def allocated() -> tuple[MemoryBuffer, ...]:
+    """What llama.cpp allocated in this process so far: weights, KV, compute and output
+    buffers, on each device and in host memory."""
+    return tuple(MemoryBuffer(buffer, kind, int(mib * 2**20))
+                 for (buffer, kind), mib in sorted(_allocated.items()))
 
 
 def backends() -> list[str]:

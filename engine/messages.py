@@ -176,6 +176,15 @@ class IndexReply:
 
 
 @dataclass(frozen=True)
+class MemoryBuffer:
+    """Memory llama.cpp allocated for a worker, as it reports it when loading."""
+
+    buffer: str  # a device's (Vulkan0, CUDA0), or host memory's (CPU, CPU_Mapped, CUDA_Host)
+    kind: str  # model | KV | RS (a recurrent state) | compute | output
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Ready:
     pid: int
     seq_len: int  # tokens one request may hold
@@ -183,6 +192,7 @@ class Ready:
     # None: this worker caches nothing. The gateway adds the model's fingerprint to it, hashed
     # once for every worker (the whole GGUF: a pass over the file per worker otherwise).
     layout: KVLayout | None
+    memory: tuple[MemoryBuffer, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from cache.arena import BlockArena
 from engine.batching import Engine
 from engine.config import EngineConfig
 from engine.devices import PlacementError, place
-from engine.llama import Model, backends, devices, model_shape, openmp_build
+from engine.llama import Model, allocated, backends, devices, model_shape, openmp_build
 from engine.messages import (
     Attach,
     Cancel,
@@ -150,7 +150,10 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
         log.error("%s", exc)
         raise SystemExit(2) from None
     engine = Engine(model, config, on_publish=publish)
-    link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout))
+    memory = allocated()
+    log.info("memory llama.cpp allocated: %s", "; ".join(
+        f"{m.buffer} {m.kind} {m.nbytes / 2**20:.1f} MiB" for m in memory))
+    link.send(Ready(os.getpid(), engine.seq_len, engine.cells.n_cells, engine.kv_layout, memory))
     attach: Attach = conn.recv()
     arena = (BlockArena.attach(attach.arena_path, attach.fingerprint) if attach.arena_path
              else None)

@@ -32,6 +32,12 @@ CPU = Device("CPU", "the host", "cpu", 8 << 30, 8 << 30)
 BLAS = Device("BLAS", "a BLAS library", "accel", 0, 0)
 
 
+def allocated(server: GatewayProcess) -> dict[tuple[str, str], float]:
+    """Worker 0's prefixgate_worker_memory_bytes: (buffer, kind) -> bytes."""
+    return {(s.labels["buffer"], s.labels["kind"]): s.value for s in server._samples()
+            if s.name == "prefixgate_worker_memory_bytes" and s.labels["worker"] == "0"}
+
+
 def gpu(name: str, free_mib: int) -> Device:
     return Device(name, "a test GPU", "gpu", free_mib * MiB, 2 * free_mib * MiB)
 
@@ -122,6 +128,13 @@ def test_the_cpu_build_serves_whatever_layers_are_asked_and_says_where_they_are(
         answer = openai_client(server).completions.create(
             model=server.model_name, prompt="Hello", max_tokens=4, temperature=0)
         assert answer.usage.completion_tokens >= 1
+        # What llama.cpp allocated: the KV of 512 cells and of the fresh prompts' own context
+        # of 512 (4 layers, K and V of 2 heads of 64, f16: 2 KiB a cell), the weights mapped.
+        memory = allocated(server)
+        assert memory[("CPU", "KV")] == 1024 * 2048
+        assert abs(memory[("CPU_Mapped", "model")] / tiny_model("llama").stat().st_size - 1) \
+            < 0.05
+        assert memory[("CPU", "compute")] > 0
     finally:
         server.stop()
     # The gateway exits (a supervisor sees it); the error carries the log's tail.
@@ -160,6 +173,9 @@ def test_layers_on_a_vulkan_device_serve_and_a_pool_hit_answers_the_same(flags, 
         log = server.log_path.read_text()
         assert "llama.cpp backends: Vulkan, CPU" in log, log[-2000:]
         assert placed in log
+        memory = allocated(server)
+        assert memory[("Vulkan0", "model")] > 0
+        assert (("Vulkan0", "KV") in memory) == ("--no-kv-offload" not in flags)
         assert "speculation off: on a GPU device" in log
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens >= 32  # two blocks of 16

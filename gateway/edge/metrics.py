@@ -312,6 +312,11 @@ def _per_worker(views: list[WorkerView]):
     routed = CounterMetricFamily("prefixgate_routing_decisions",
                                  "Requests routed to a worker, by the router's reason",
                                  labels=["worker", "reason"])
+    memory = GaugeMetricFamily("prefixgate_worker_memory_bytes",
+                               "Memory llama.cpp allocated for a worker, by buffer (a device, "
+                               "or host memory) and kind (model, KV, RS: a recurrent state, "
+                               "compute, output)",
+                               labels=["worker", "buffer", "kind"])
     for view in views:
         worker, snap = str(view.worker_id), view.snapshot
         for name, family in gauges.items():
@@ -322,5 +327,7 @@ def _per_worker(views: list[WorkerView]):
         restarts.add_metric([worker], view.restarts)
         for reason, n in view.routed.items():
             routed.add_metric([worker, reason], n)
+        for buffer in view.memory:
+            memory.add_metric([worker, buffer.buffer, buffer.kind], buffer.nbytes)
     yield from gauges.values()
-    yield from (up, hits, shared, restarts, routed)
+    yield from (up, hits, shared, restarts, routed, memory)

@@ -36,6 +36,7 @@ from engine.messages import (
     EngineSnapshot,
     EngineUnavailable,
     GenerationRequest,
+    MemoryBuffer,
     Output,
     Outputs,
     Published,
@@ -75,6 +76,7 @@ class WorkerProcess:
     requests: dict[int, _InFlight] = field(default_factory=dict)
     routed: Counter = field(default_factory=Counter)  # routing decisions by reason
     restarts: int = 0
+    memory: tuple[MemoryBuffer, ...] = ()  # what llama.cpp allocated for it, from its Ready
     # Set by its reader thread once the process is reaped. Only that thread joins it: two
     # threads waiting on one child race, and the loser saw a reaped worker as alive.
     exited: threading.Event = field(default_factory=threading.Event)
@@ -297,6 +299,7 @@ class Workers:
         with self._lock:
             self.seq_len = ready.seq_len
             worker.snapshot = EngineSnapshot(cells_total=ready.cells_total)
+            worker.memory = ready.memory
         worker.send(Attach(str(pool.arena.path), pool.fingerprint) if pool and ready.layout
                     else Attach(None))
         with self._lock:
@@ -374,8 +377,8 @@ class Workers:
 
     def views(self) -> list[WorkerView]:
         with self._lock:
-            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed), w.restarts)
-                    for w in self._workers]
+            return [WorkerView(w.worker_id, w.state, w.snapshot, dict(w.routed), w.restarts,
+                               w.memory) for w in self._workers]
 
 
 @dataclass(frozen=True)
@@ -385,3 +388,4 @@ class WorkerView:
     snapshot: EngineSnapshot
     routed: dict[str, int]
     restarts: int  # times this worker id was replaced
+    memory: tuple[MemoryBuffer, ...]
