@@ -8,6 +8,7 @@ buffers and others, as llama-server's own fitting does by default."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import Offload
@@ -63,7 +64,9 @@ class PlacementError(ValueError):
     than the devices."""
 
 
-def place(offload: Offload, found: list[Device], shape: ModelShape) -> Placement:
+def place(offload: Offload, found: list[Device], shape: Callable[[], ModelShape]) -> Placement:
+    """`shape` is read only when there is a device to place layers on: without one (a CPU
+    build, or no GPU found) the model's file is not opened twice."""
     devices = _chosen(offload, found)
     if offload.tensor_split and len(offload.tensor_split) > max(len(devices), 1):
         raise PlacementError(f"--tensor-split has {len(offload.tensor_split)} shares for "
@@ -73,13 +76,16 @@ def place(offload: Offload, found: list[Device], shape: ModelShape) -> Placement
                              "device(s), counted from 0")
     if offload.split_mode == "none" and devices:
         devices = [devices[offload.main_gpu]]  # llama.cpp then puts every layer there
-    all_layers = shape.n_layer + 1
     if not devices:
-        layers, why = 0, "no GPU device" if offload.devices is None else "--device none"
-    elif offload.gpu_layers == "all":
+        return Placement(0, (), offload.split_mode, offload.tensor_split, 0,
+                         offload.kv_offload,
+                         "no GPU device" if offload.devices is None else "--device none")
+    model = shape()
+    all_layers = model.n_layer + 1
+    if offload.gpu_layers == "all":
         layers, why = all_layers, "--n-gpu-layers all"
     elif offload.gpu_layers == "auto":
-        layers = _fitting(devices, shape, offload.kv_offload)
+        layers = _fitting(devices, model, offload.kv_offload)
         why = f"--n-gpu-layers auto: {layers} of {all_layers} fit in the free memory"
     else:
         layers, why = min(int(offload.gpu_layers), all_layers), \

@@ -177,7 +177,8 @@ def _load(model_path: str, config: EngineConfig) -> Model:
     shape = config.context_shape()
     # The worker's contexts: the pool's cells, and a fresh prompt's own (prefill_context.py).
     cells = shape.n_ctx + (shape.n_ctx // config.parallel if config.prefill_context else 0)
-    placement = place(config.offload, found, model_shape(model_path, cells, shape.kv_type))
+    placement = place(config.offload, found,
+                      lambda: model_shape(model_path, cells, shape.kv_type))
     where = "every layer on the CPU" if not placement.on_device else \
         f"{placement.gpu_layers} layers on {', '.join(d.name for d in placement.devices)}" + \
         ("" if placement.kv_offload else ", their KV in host memory")

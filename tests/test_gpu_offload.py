@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 
@@ -24,7 +23,7 @@ from tests.test_redis_tier import wait_stored
 from tests.test_sliding_window import ARGS as WINDOW_ARGS
 from tests.test_sliding_window import chat, rules
 from tests.test_sliding_window import complete as complete_top5
-from tests.test_workers import stream_events, wait_for_health
+from tests.test_workers import stream_events, wait_for_health, wait_running
 from tests.tiny_models import tiny_model
 
 MiB = 1 << 20
@@ -42,47 +41,51 @@ def gpu(name: str, free_mib: int) -> Device:
     return Device(name, "a test GPU", "gpu", free_mib * MiB, 2 * free_mib * MiB)
 
 
-# 30 layers and the output: 31 of 10 MiB weights each, and 4 MiB of KV a layer.
-SHAPE = ModelShape(n_layer=30, weight_bytes=310 * MiB, kv_bytes_per_layer=4 * MiB)
+def shape() -> ModelShape:
+    """30 layers and the output: 31 of 10 MiB weights each, and 4 MiB of KV a layer."""
+    return ModelShape(n_layer=30, weight_bytes=310 * MiB, kv_bytes_per_layer=4 * MiB)
 
 
 def test_without_a_gpu_device_every_layer_stays_on_the_cpu_whatever_is_asked():
+    def unread() -> ModelShape:
+        raise AssertionError("the model's file was opened with nothing to place")
+
     for layers in ("auto", "all", 12):
-        placed = place(Offload(gpu_layers=layers), [CPU, BLAS], SHAPE)
+        placed = place(Offload(gpu_layers=layers), [CPU, BLAS], unread)
         assert placed.gpu_layers == 0 and not placed.on_device and placed.devices == ()
         assert placed.why == "no GPU device"
     assert place(Offload(gpu_layers="all", devices=()), [CPU, gpu("Vulkan0", 4096)],
-                 SHAPE).why == "--device none"
+                 unread).why == "--device none"
 
 
 def test_all_and_a_count():
     found = [CPU, gpu("Vulkan0", 64)]  # far too small: `all` is what the user asked for
-    assert place(Offload(gpu_layers="all"), found, SHAPE).gpu_layers == 31
-    assert place(Offload(gpu_layers=12), found, SHAPE).gpu_layers == 12
-    assert place(Offload(gpu_layers=99), found, SHAPE).gpu_layers == 31
+    assert place(Offload(gpu_layers="all"), found, shape).gpu_layers == 31
+    assert place(Offload(gpu_layers=12), found, shape).gpu_layers == 12
+    assert place(Offload(gpu_layers=99), found, shape).gpu_layers == 31
 
 
 def test_auto_offloads_what_the_free_memory_holds_past_a_gib_per_device():
     headroom = DEVICE_HEADROOM // MiB
     # 20 layers of weights and KV (14 MiB each) fit, the 21st does not.
-    placed = place(Offload(), [gpu("CUDA0", headroom + 20 * 14 + 5)], SHAPE)
+    placed = place(Offload(), [gpu("CUDA0", headroom + 20 * 14 + 5)], shape)
     assert placed.gpu_layers == 20 and placed.why.startswith("--n-gpu-layers auto: 20 of 31")
     # Without KV on the device, weights alone: 28 of 10 MiB.
     assert place(Offload(kv_offload=False), [gpu("CUDA0", headroom + 285)],
-                 SHAPE).gpu_layers == 28
+                 shape).gpu_layers == 28
     # Two devices' room together; a device with less free than the headroom adds nothing.
     found = [gpu("CUDA0", headroom + 140), gpu("CUDA1", headroom + 140), gpu("CUDA2", 500)]
-    assert place(Offload(), found, SHAPE).gpu_layers == 20
-    assert place(Offload(), [gpu("CUDA0", 100 * 1024)], SHAPE).gpu_layers == 31
+    assert place(Offload(), found, shape).gpu_layers == 20
+    assert place(Offload(), [gpu("CUDA0", 100 * 1024)], shape).gpu_layers == 31
 
 
 def test_devices_by_name_and_split_mode_none_on_the_main_gpu():
     found = [CPU, gpu("Vulkan0", 4096), gpu("Vulkan1", 4096)]
-    assert [d.name for d in place(Offload(gpu_layers="all"), found, SHAPE).devices] == \
+    assert [d.name for d in place(Offload(gpu_layers="all"), found, shape).devices] == \
         ["Vulkan0", "Vulkan1"]
-    named = place(Offload(gpu_layers="all", devices=("Vulkan1",)), found, SHAPE)
+    named = place(Offload(gpu_layers="all", devices=("Vulkan1",)), found, shape)
     assert [d.name for d in named.devices] == ["Vulkan1"]
-    alone = place(Offload(gpu_layers="all", split_mode="none", main_gpu=1), found, SHAPE)
+    alone = place(Offload(gpu_layers="all", split_mode="none", main_gpu=1), found, shape)
     # llama.cpp is given the one device, so its main GPU is that list's first.
     assert [d.name for d in alone.devices] == ["Vulkan1"] and alone.main_gpu == 0
 
@@ -94,7 +97,7 @@ def test_devices_by_name_and_split_mode_none_on_the_main_gpu():
     (Offload(tensor_split=(3.0, 1.0)), "--tensor-split has 2 shares for 1 device(s)")])
 def test_flags_naming_what_is_not_there_are_refused(offload, says):
     with pytest.raises(PlacementError, match=re.escape(says)):
-        place(offload, [CPU, gpu("Vulkan0", 4096)], SHAPE)
+        place(offload, [CPU, gpu("Vulkan0", 4096)], shape)
 
 
 def test_the_flags_parse_as_llama_servers_do(monkeypatch):
@@ -288,10 +291,7 @@ def test_a_worker_killed_mid_stream_on_the_device_leaks_nothing_and_is_replaced(
             server, server.model_name, "Tell a very long story.", started, events))
         reader.start()
         assert started.wait(120)
-        deadline = time.monotonic() + 60
-        while server.per_worker("prefixgate_worker_requests_running")["0"] != 1:
-            assert time.monotonic() < deadline, "the worker does not run the stream"
-            time.sleep(0.05)
+        wait_running(server, "0", timeout=60)
         logged = len(server.log_path.read_text())
         os.kill(victim["pid"], signal.SIGKILL)
         reader.join(120)

@@ -44,6 +44,15 @@ def wait_for_health(server: GatewayProcess, status: str, timeout: float = 60) ->
     raise AssertionError(f"/health never said {status!r}: {server.health()}")
 
 
+def wait_running(server: GatewayProcess, worker: str, timeout: float) -> None:
+    """Until the worker's published snapshot shows one request running (it follows the step's
+    outputs, so a stream's first event can come before it)."""
+    deadline = time.monotonic() + timeout
+    while server.per_worker("prefixgate_worker_requests_running")[worker] != 1:
+        assert time.monotonic() < deadline, f"worker {worker} does not run the stream"
+        time.sleep(0.05)
+
+
 def stream_events(server: GatewayProcess, model: str, prompt: str, started: threading.Event,
                   events: list[dict | str]) -> None:
     """A streamed completion, every event kept (a JSON object or "[DONE]")."""
@@ -104,11 +113,7 @@ def test_a_killed_worker_fails_its_requests_leaks_nothing_and_is_replaced(
                               args=(server, model_name, prompts[1], started, events))
     reader.start()
     assert started.wait(60)
-    # The worker's snapshot follows the step's outputs: wait for it to say so.
-    deadline = time.monotonic() + 10
-    while server.per_worker("prefixgate_worker_requests_running")["0"] != 1:
-        assert time.monotonic() < deadline, "worker 0 does not run the stream"
-        time.sleep(0.05)
+    wait_running(server, "0", timeout=10)
     os.kill(victim["pid"], signal.SIGKILL)
     reader.join(60)
     # The stream ends with an error event in OpenAI's shape, then [DONE].

@@ -58,35 +58,22 @@ def _llama(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int =
            n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 512) -> None:
     """Keys and tensors as llama.cpp's src/models/llama.cpp reads them; heads of 64 dimensions,
     which every backend's flash attention takes. The output layer is the embeddings' (tied)."""
-    head_dim = n_embd // n_head
     for key, value in {"context_length": 4096, "embedding_length": n_embd,
                        "block_count": n_layer, "feed_forward_length": n_ff,
                        "attention.head_count": n_head, "attention.head_count_kv": n_head_kv,
-                       "rope.dimension_count": head_dim}.items():
+                       "rope.dimension_count": n_embd // n_head}.items():
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.rope.freq_base", 10000.0)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_tensor("token_embd.weight", _random(rng, n_vocab, n_embd, scale=1.0)
-                 .astype(np.float16))
-    w.add_tensor("output_norm.weight", _ones(n_embd))
-    for i in range(n_layer):
-        for name, tensor in {
-                "attn_norm.weight": _ones(n_embd), "ffn_norm.weight": _ones(n_embd),
-                "attn_q.weight": _random(rng, n_embd, n_embd),
-                "attn_k.weight": _random(rng, n_head_kv * head_dim, n_embd),
-                "attn_v.weight": _random(rng, n_head_kv * head_dim, n_embd),
-                "attn_output.weight": _random(rng, n_embd, n_embd),
-                "ffn_gate.weight": _random(rng, n_ff, n_embd),
-                "ffn_up.weight": _random(rng, n_ff, n_embd),
-                "ffn_down.weight": _random(rng, n_embd, n_ff)}.items():
-            w.add_tensor(f"blk.{i}.{name}", tensor)
+    _decoder(w, n_vocab, rng, n_layer, n_embd, n_head, n_head_kv, n_ff)
 
 
 def _gemma3(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int = 6,
             n_embd: int = 256, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 512,
             window: int = 32) -> None:
     """Keys and tensors as llama.cpp's src/models/gemma3.cpp reads them: every sixth layer
-    attends to the whole context, the others to the last `window` positions."""
+    attends to the whole context, the others to the last `window` positions; its norms after
+    attention and the FFN, and on each head's queries and keys, are ones."""
     head_dim = n_embd // n_head
     for key, value in {"context_length": 4096, "embedding_length": n_embd,
                        "block_count": n_layer, "feed_forward_length": n_ff,
@@ -96,14 +83,25 @@ def _gemma3(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int 
         w.add_uint32(f"gemma3.{key}", value)
     w.add_float32("gemma3.rope.freq_base", 1e6)
     w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    _decoder(w, n_vocab, rng, n_layer, n_embd, n_head, n_head_kv, n_ff, {
+        "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd,
+        "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim})
+
+
+def _decoder(w: GGUFWriter, n_vocab: int, rng: np.random.Generator, n_layer: int,
+             n_embd: int, n_head: int, n_head_kv: int, n_ff: int,
+             more_norms: dict[str, int] | None = None) -> None:
+    """A decoder's tensors: F16 embeddings (the output layer ties to them), and layers of
+    attention and a gated FFN with their norms, and `more_norms` (name -> size), all ones."""
+    head_dim = n_embd // n_head
     w.add_tensor("token_embd.weight", _random(rng, n_vocab, n_embd, scale=1.0)
                  .astype(np.float16))
     w.add_tensor("output_norm.weight", _ones(n_embd))
     for i in range(n_layer):
+        norms = {"attn_norm.weight": n_embd, "ffn_norm.weight": n_embd} | (more_norms or {})
+        for name, size in norms.items():
+            w.add_tensor(f"blk.{i}.{name}", _ones(size))
         for name, tensor in {
-                "attn_norm.weight": _ones(n_embd), "post_attention_norm.weight": _ones(n_embd),
-                "ffn_norm.weight": _ones(n_embd), "post_ffw_norm.weight": _ones(n_embd),
-                "attn_q_norm.weight": _ones(head_dim), "attn_k_norm.weight": _ones(head_dim),
                 "attn_q.weight": _random(rng, n_head * head_dim, n_embd),
                 "attn_k.weight": _random(rng, n_head_kv * head_dim, n_embd),
                 "attn_v.weight": _random(rng, n_head_kv * head_dim, n_embd),
