@@ -18,16 +18,21 @@ GPU_CMAKE_ARGS_cuda := -DGGML_CUDA=ON
 GPU_CMAKE_ARGS_rocm := -DGGML_HIP=ON
 GPU_CMAKE_ARGS_metal := -DGGML_METAL=ON
 
+# NVIDIA Dynamo for `prefixgate --dynamo`, without its dependencies: pyproject's `dynamo` extra
+# lists the ones it needs (ai-dynamo's `aisimulate` is a placeholder that cannot be installed).
+DYNAMO := ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+
 .PHONY: setup serve test test-vulkan lint bench system-deps agents image-check
 
 setup: $(VENV)/.installed-$(BACKEND)
 
-$(VENV)/.installed-$(BACKEND): pyproject.toml deploy/build_llama_cpp.sh
+$(VENV)/.installed-$(BACKEND): pyproject.toml Makefile deploy/build_llama_cpp.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	rm -f $(VENV)/.installed-*
 	deploy/build_llama_cpp.sh $(BACKEND) $(PY) "$(LLAMA_CMAKE_ARGS) $(GPU_CMAKE_ARGS_$(BACKEND))"
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps $(DYNAMO)
 	$(PY) -m gateway.workers.model_store
 	echo $(BACKEND) > $(VENV)/.backend
 	touch $@

@@ -1,0 +1,1 @@
+"""A prefixgate node as an NVIDIA Dynamo worker (docs/dynamo.md)."""
