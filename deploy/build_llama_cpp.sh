@@ -11,32 +11,9 @@ backend=$1 python=$2 cmake_args=$3
 cd "$(dirname "$0")/.."
 pin=$(grep -o '"llama-cpp-python==[^"]*"' pyproject.toml | head -1 | tr -d '"')
 
-# $1: a command (or, with a leading /, a file) the build needs; $2: the package that has it
-# (Debian, Ubuntu), installed when missing; $3: what provides it on other systems.
-need() {
-    if [[ $1 == /* ]]; then [ -e "$1" ] && return; else command -v "$1" >/dev/null && return; fi
-    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2"
-    else
-        echo "BACKEND=$backend needs $1: install $2 ($3)" >&2
-        exit 1
-    fi
-}
-
-case $backend in
-    cpu | metal) ;;
-    vulkan)
-        if [ -z "${VULKAN_SDK:-}" ]; then  # LunarG's SDK has both
-            need glslc glslc "LunarG's Vulkan SDK"
-            need /usr/include/vulkan/vulkan.h libvulkan-dev "LunarG's Vulkan SDK"
-            need /usr/share/cmake/SPIRV-Headers/SPIRV-HeadersConfig.cmake spirv-headers \
-                "LunarG's Vulkan SDK"
-            cmake_args="$cmake_args $(deploy/vulkan_headers.sh)"
-        fi ;;
-    cuda) need nvcc nvidia-cuda-toolkit "NVIDIA's CUDA toolkit" ;;
-    rocm) need hipconfig hipcc "AMD's ROCm" ;;
-    *) echo "BACKEND is cpu, vulkan, cuda, rocm or metal, not '$backend'" >&2; exit 2 ;;
-esac
+# The backend's toolchain is checked first; its extra flags (Vulkan headers) join the build's.
+extra=$(deploy/backend_deps.sh "$backend")
+cmake_args="$cmake_args${extra:+ $extra}"
 
 key=$(printf '%s\n' "$pin" "$cmake_args" "$("$python" -V)" | sha256sum | cut -c1-12)
 wheels=${XDG_CACHE_HOME:-$HOME/.cache}/prefixgate/wheels/$backend-$key
