@@ -20,6 +20,7 @@ class Offload:
     tensor_split: tuple[float, ...] = ()  # each device's share; (): by free memory
     main_gpu: int = 0  # with split_mode none: the one device used
     kv_offload: bool = True  # KV on the device with its layers; False: in host memory
+    workers: int = 1  # worker processes, each with its own copy of the layers and its own KV
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,14 @@ and the flags llama-server has (`--n-gpu-layers`, `--device`, `--split-mode`, `-
 
 `auto` offloads as many layers as the chosen devices' free memory holds, each layer with its
 weights and (unless --no-kv-offload) its KV, keeping 1 GiB of each device free for compute
-buffers and others, as llama-server's own fitting does by default."""
+buffers and others, as llama-server's own fitting does by default.
+
+Each worker process loads its own copy of the layers and has its own KV. With several workers
+and several devices, each worker takes one device (worker i the i-th, round the list), so that
+they decode side by side sharing the host's pool; workers on the same device divide its free
+memory. llama.cpp reserves everything a worker's device needs when it starts (the weights, KV
+for every cell, compute buffers for the largest batch), so a worker that starts cannot run out
+later; a count of layers that cannot fit is refused before anything is allocated."""
 
 from __future__ import annotations
 
@@ -64,9 +71,11 @@ class PlacementError(ValueError):
     than the devices."""
 
 
-def place(offload: Offload, found: list[Device], shape: Callable[[], ModelShape]) -> Placement:
-    """`shape` is read only when there is a device to place layers on: without one (a CPU
-    build, or no GPU found) the model's file is not opened twice."""
+def place(offload: Offload, found: list[Device], shape: Callable[[], ModelShape],
+          worker: int = 0) -> Placement:
+    """Where worker `worker` (of offload.workers) puts its layers. `shape` is read only when
+    there is a device to place layers on: without one (a CPU build, or no GPU found) the
+    model's file is not opened twice."""
     devices = _chosen(offload, found)
     if offload.tensor_split and len(offload.tensor_split) > max(len(devices), 1):
         raise PlacementError(f"--tensor-split has {len(offload.tensor_split)} shares for "
@@ -76,23 +85,42 @@ def place(offload: Offload, found: list[Device], shape: Callable[[], ModelShape]
                              "device(s), counted from 0")
     if offload.split_mode == "none" and devices:
         devices = [devices[offload.main_gpu]]  # llama.cpp then puts every layer there
+    sharing, tensor_split, main_gpu, seat = offload.workers, offload.tensor_split, \
+        0 if offload.split_mode == "none" else offload.main_gpu, ""
+    if offload.workers > 1 and len(devices) > 1:  # one device a worker
+        sharing = len(range(worker % len(devices), offload.workers, len(devices)))
+        devices, tensor_split, main_gpu = [devices[worker % len(devices)]], (), 0
+        seat = f"worker {worker} of {offload.workers} on a device of its own; "
+    elif offload.workers > 1 and devices:
+        seat = f"{offload.workers} workers share the device; "
     if not devices:
         return Placement(0, (), offload.split_mode, offload.tensor_split, 0,
                          offload.kv_offload,
                          "no GPU device" if offload.devices is None else "--device none")
     model = shape()
     all_layers = model.n_layer + 1
-    if offload.gpu_layers == "all":
-        layers, why = all_layers, "--n-gpu-layers all"
-    elif offload.gpu_layers == "auto":
-        layers = _fitting(devices, model, offload.kv_offload)
+    per_layer = model.weight_bytes / all_layers + \
+        (model.kv_bytes_per_layer if offload.kv_offload else 0)
+    free = sum(d.free for d in devices) // sharing  # this worker's part
+    if offload.gpu_layers == "auto":
+        room = sum(max(d.free - DEVICE_HEADROOM, 0) for d in devices) // sharing
+        layers = min(int(room // per_layer), all_layers) if per_layer else all_layers
         why = f"--n-gpu-layers auto: {layers} of {all_layers} fit in the free memory"
     else:
-        layers, why = min(int(offload.gpu_layers), all_layers), \
-            f"--n-gpu-layers {offload.gpu_layers}"
+        layers = all_layers if offload.gpu_layers == "all" else \
+            min(int(offload.gpu_layers), all_layers)
+        why = f"--n-gpu-layers {offload.gpu_layers}"
+        if layers * per_layer > free:
+            raise PlacementError(
+                f"--n-gpu-layers {offload.gpu_layers}: {layers} layers "
+                f"{'with their KV ' if offload.kv_offload else ''}need about "
+                f"{layers * per_layer / 2**20:.0f} MiB on {', '.join(d.name for d in devices)}"
+                f", which {'has' if len(devices) == 1 else 'have'} {free >> 20} MiB free"
+                f"{f' for each of {sharing} workers' if sharing > 1 else ''}: offload fewer "
+                "layers (or auto), lower --ctx-size, or keep the KV in host memory "
+                "(--no-kv-offload)")
     return Placement(layers, tuple(devices) if layers else (), offload.split_mode,
-                     offload.tensor_split, 0 if offload.split_mode == "none" else
-                     offload.main_gpu, offload.kv_offload, why)
+                     tensor_split, main_gpu, offload.kv_offload, seat + why)
 
 
 def _chosen(offload: Offload, found: list[Device]) -> list[Device]:
@@ -105,11 +133,3 @@ def _chosen(offload: Offload, found: list[Device]) -> list[Device]:
             known = ", ".join(d.name for d in found if d.offloads) or "none"
             raise PlacementError(f"--device {name}: no such GPU device (found: {known})")
     return [by_name[name] for name in offload.devices]
-
-
-def _fitting(devices: list[Device], shape: ModelShape, kv_offload: bool) -> int:
-    """Layers whose weights (and KV) the devices' free memory holds, past the headroom."""
-    room = sum(max(d.free - DEVICE_HEADROOM, 0) for d in devices)
-    per_layer = shape.weight_bytes / (shape.n_layer + 1) + \
-        (shape.kv_bytes_per_layer if kv_offload else 0)
-    return min(int(room // per_layer), shape.n_layer + 1) if per_layer else shape.n_layer + 1

@@ -145,7 +145,7 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
                     "slower than from a main thread; rebuild llama-cpp-python with "
                     "CMAKE_ARGS=-DGGML_OPENMP=OFF")
     try:
-        model = _load(model_path, config)
+        model = _load(model_path, config, worker_id)
     except PlacementError as exc:  # the flags name what is not there: nothing to serve
         log.error("%s", exc)
         raise SystemExit(2) from None
@@ -171,14 +171,14 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
         raise SystemExit(1)
 
 
-def _load(model_path: str, config: EngineConfig) -> Model:
+def _load(model_path: str, config: EngineConfig, worker: int) -> Model:
     """The model, its layers on the devices the flags choose (engine/devices.py)."""
     found = devices()
     shape = config.context_shape()
     # The worker's contexts: the pool's cells, and a fresh prompt's own (prefill_context.py).
     cells = shape.n_ctx + (shape.n_ctx // config.parallel if config.prefill_context else 0)
     placement = place(config.offload, found,
-                      lambda: model_shape(model_path, cells, shape.kv_type))
+                      lambda: model_shape(model_path, cells, shape.kv_type), worker)
     where = "every layer on the CPU" if not placement.on_device else \
         f"{placement.gpu_layers} layers on {', '.join(d.name for d in placement.devices)}" + \
         ("" if placement.kv_offload else ", their KV in host memory")

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                                             budget_mb=args.cache_mb, block_size=args.block_size),
                           offload=Offload(args.n_gpu_layers, args.device, args.split_mode,
                                           args.tensor_split, args.main_gpu,
-                                          not args.no_kv_offload))
+                                          not args.no_kv_offload, args.workers))
     config = ServerConfig(
         model_name=args.model_name or model_path.stem,
         workers=WorkersConfig(

@@ -9,7 +9,10 @@ import os
 import re
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
+import openai
 import pytest
 
 from engine.config import Offload
@@ -59,10 +62,46 @@ def test_without_a_gpu_device_every_layer_stays_on_the_cpu_whatever_is_asked():
 
 
 def test_all_and_a_count():
-    found = [CPU, gpu("Vulkan0", 64)]  # far too small: `all` is what the user asked for
+    found = [CPU, gpu("Vulkan0", 4096)]
     assert place(Offload(gpu_layers="all"), found, shape).gpu_layers == 31
     assert place(Offload(gpu_layers=12), found, shape).gpu_layers == 12
     assert place(Offload(gpu_layers=99), found, shape).gpu_layers == 31
+
+
+def test_a_count_of_layers_the_device_cannot_hold_is_refused_before_loading():
+    """14 MiB a layer (weights and KV): 4 fit in 64 MiB, 31 do not, and without their KV
+    (10 MiB a layer) 6 do."""
+    found = [CPU, gpu("Vulkan0", 64)]
+    assert place(Offload(gpu_layers=4), found, shape).gpu_layers == 4
+    assert place(Offload(gpu_layers=6, kv_offload=False), found, shape).gpu_layers == 6
+    with pytest.raises(PlacementError, match=r"--n-gpu-layers all: 31 layers with their KV "
+                                             r"need about 434 MiB on Vulkan0, which has 64 "
+                                             r"MiB free: offload fewer layers"):
+        place(Offload(gpu_layers="all"), found, shape)
+    with pytest.raises(PlacementError, match=r"5 layers with their KV need about 70 MiB on "
+                                             r"Vulkan0, which has 32 MiB free for each of 2 "
+                                             r"workers"):
+        place(Offload(gpu_layers=5, workers=2), found, shape)
+
+
+def test_workers_take_a_device_each_and_those_sharing_one_divide_it():
+    headroom = DEVICE_HEADROOM // MiB
+    found = [CPU, gpu("CUDA0", headroom + 280), gpu("CUDA1", 2 * headroom + 280)]
+    two = [place(Offload(workers=2), found, shape, worker) for worker in range(2)]
+    assert [p.devices for p in two] == [(found[1],), (found[2],)]
+    assert [p.gpu_layers for p in two] == [20, 31]  # each as much as its own device holds
+    assert two[1].why.startswith("worker 1 of 2 on a device of its own; --n-gpu-layers auto")
+    # Three workers on two devices: workers 0 and 2 share CUDA0, each with half of it.
+    three = [place(Offload(workers=3), found, shape, worker) for worker in range(3)]
+    assert [p.devices[0].name for p in three] == ["CUDA0", "CUDA1", "CUDA0"]
+    assert [p.gpu_layers for p in three] == [10, 31, 10]
+    # One device: every worker has a copy of the layers on it.
+    shared = place(Offload(workers=2), found[:2], shape, 1)
+    assert shared.gpu_layers == 10 and shared.why.startswith("2 workers share the device")
+    # Split across both by one worker, or all on --main-gpu, as without workers.
+    assert place(Offload(), found, shape).devices == tuple(found[1:])
+    assert place(Offload(workers=2, split_mode="none", main_gpu=1), found, shape,
+                 1).devices == (found[2],)
 
 
 def test_auto_offloads_what_the_free_memory_holds_past_a_gib_per_device():
@@ -147,9 +186,15 @@ def test_the_cpu_build_serves_whatever_layers_are_asked_and_says_where_they_are(
                        "--ctx-size", "512")
 
 
-ON_THE_DEVICE = ("--n-gpu-layers", "all", "--device", "Vulkan0")
+# Every layer on the device, and two of them with the rest on the CPU (partial offload).
+LAYERS = pytest.mark.parametrize("layers", ["all", "2"])
+
+
+def on_the_device(layers: str) -> tuple[str, ...]:
+    return "--n-gpu-layers", layers, "--device", "Vulkan0"
 CHAT = [{"role": "user", "content": "Name three rivers of Europe and one of Asia, with the "
                                     "seas they flow into."}]
+RULES = "The harbour keeper logs every ship that comes in, its flag, its cargo and its hour."
 
 
 @pytest.mark.gpu
@@ -188,13 +233,126 @@ def test_layers_on_a_vulkan_device_serve_and_a_pool_hit_answers_the_same(flags, 
         server.stop()
 
 
+def completions(server: GatewayProcess, prompts: list[str], max_tokens: int,
+                together: bool) -> list[str]:
+    """Greedy completions of `prompts`, sent all at once or one by one; ignore_eos, so that each
+    runs its whole length."""
+    client = openai_client(server)
+
+    def one(prompt: str) -> str:
+        return client.completions.create(
+            model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text
+
+    if not together:
+        return [one(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("architecture", ["mamba", "lfm2"])
-def test_a_recurrent_state_kept_from_the_device_resumes_exactly(architecture):
+def test_device_memory_is_reserved_at_start_so_full_sequences_never_run_out():
+    """Layers and KV that cannot fit lavapipe's 2048 MiB are refused before loading, with the
+    numbers. A worker that starts has all it needs on the device: every cell filled allocates
+    nothing more, a prompt past a sequence's room is the API's 400, and
+    the worker serves on."""
+    with pytest.raises(RuntimeError, match=r"--n-gpu-layers all: 5 layers with their KV need "
+                                           r"about \d+ MiB on Vulkan0, which has 2048 MiB "
+                                           r"free: offload fewer layers"):
+        GatewayProcess(tiny_model("llama"), *on_the_device("all"), "--parallel", "1",
+                       "--ctx-size", "2000000", health_timeout=900)
+    server = GatewayProcess(tiny_model("llama"), *on_the_device("all"), "--parallel", "2",
+                            "--ctx-size", "256", "--block-size", "16", health_timeout=900)
+    try:
+        client = openai_client(server)
+        before = allocated(server)
+
+        def fill(topic: str):
+            return client.completions.create(
+                model=server.model_name, prompt=f"{RULES} The {topic}:", max_tokens=1000,
+                temperature=0, extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(2) as pool:
+            full = list(pool.map(fill, ["ferry", "tug"]))
+        # A sequence may take every cell (one pool of 256 for both): two such do not fit side
+        # by side, so one is preempted to the pool and resumed, and both run to the last cell.
+        assert [(r.choices[0].finish_reason, r.usage.total_tokens) for r in full] == \
+            [("length", 256)] * 2
+        with pytest.raises(openai.BadRequestError) as refused:
+            fill("barge " * 400)
+        assert refused.value.code == "context_length_exceeded"
+        assert allocated(server) == before
+        assert fill("ferry").usage.total_tokens == 256  # serving on
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@LAYERS
+def test_requests_sharing_live_cells_on_the_device_and_preempted_answer_as_alone(layers):
+    """Four requests at once on 128 cells: they share their common prefix's cells while it is
+    live (seq_cp on the device), and do not fit side by side, so some are preempted (their
+    blocks stored from the device into the pool) and resumed (loaded back). Each answers as it
+    does alone on the uncached gateway."""
+    servers = cached_and_uncached(tiny_model("llama"), *on_the_device(layers), "--parallel",
+                                  "4", "--ctx-size", "128", "--block-size", "16")
+    cached, uncached = next(servers)
+    try:
+        prompts = [f"{RULES} Question {i}: which ship comes next?" for i in range(4)]
+        together = completions(cached, prompts, 40, together=True)
+        alone = completions(uncached, prompts, 40, together=False)
+        assert together == alone
+        metrics = cached.settled()
+        assert metrics["prefixgate_prefix_shared_tokens_total"] > 0
+        assert metrics["prefixgate_num_preemptions_total"] > 0
+        assert metrics["prefixgate_kv_cells_used"] == 0
+        assert metrics["prefixgate_kv_pool_blocks_held"] == 0
+    finally:
+        next(servers, None)
+
+
+@pytest.mark.gpu
+def test_a_pinned_prefix_on_the_device_outlives_a_flood_and_answers_the_same():
+    """Anthropic's cache_control pins a system prompt's blocks; a flood of other prompts
+    through a 2 MiB pool (64 blocks of 16 tokens at 2 KiB a token) evicts every unpinned
+    prefix, and the pinned one still loads onto the device and answers as it did cold."""
+    server = GatewayProcess(tiny_model("llama"), *on_the_device("all"), "--parallel", "2",
+                            "--ctx-size", "1024", "--block-size", "16", "--cache-mb", "2",
+                            "--pin-budget-mb", "1", "--tenant-cache-share", "1",
+                            "--temperature", "0", health_timeout=900)
+
+    def ask(topic: str, pinned: bool) -> tuple[str, int]:
+        system = {"type": "text", "text": f"{topic}: {RULES * 6}",
+                  **({"cache_control": {"type": "ephemeral"}} if pinned else {})}
+        r = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0
+                                ).messages.create(
+            model=server.model_name, max_tokens=8, system=[system],
+            messages=[{"role": "user", "content": "Which ship came last?"}])
+        return r.content[0].text, r.usage.cache_read_input_tokens
+
+    try:
+        cold, _ = ask("Lighthouse", pinned=True)
+        ask("Ferry", pinned=False)
+        for topic in ("Salt", "Nets", "Ice", "Gulls", "Rope", "Oars", "Tide"):
+            ask(topic, pinned=False)
+        assert ask("Ferry", pinned=False)[1] == 0  # evicted
+        warm, read = ask("Lighthouse", pinned=True)
+        assert read >= 96
+        assert warm == cold
+        assert server.settled()["prefixgate_kv_pool_blocks_held"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("architecture", "layers"),
+                         [("mamba", "all"), ("lfm2", "all"), ("lfm2", "2")])
+def test_a_recurrent_state_kept_from_the_device_resumes_exactly(architecture, layers):
     """A recurrent (Mamba) and a hybrid (LFM2) model with every layer on the device: a prompt
     sharing another's prefix resumes from the state kept at its last block boundary, and its
     text and every top-3 logprob equal a cold prefill's on the same device."""
-    servers = cached_and_uncached(tiny_model(architecture), *RECURRENT_ARGS, *ON_THE_DEVICE)
+    servers = cached_and_uncached(tiny_model(architecture), *RECURRENT_ARGS,
+                                  *on_the_device(layers))
     cached, uncached = next(servers)
     try:
         prefix = text(200, 1)
@@ -208,14 +366,15 @@ def test_a_recurrent_state_kept_from_the_device_resumes_exactly(architecture):
 
 
 @pytest.mark.gpu
-def test_a_sliding_window_model_on_the_device_hits_past_its_window_and_chats_exactly():
+@LAYERS
+def test_a_sliding_window_model_on_the_device_hits_past_its_window_and_chats_exactly(layers):
     """Gemma 3's shape (five of six layers see the last 32 positions) on the device: a prompt
     sharing a prefix three windows long continues with the text and top-5 tokens of a cold
     prefill; a chat's later turns read their history from the cache and answer as the uncached
     gateway does. The logprobs agree to 0.01 (on logits of ~180), not bit for bit as on the
     CPU: the device's kernels round a row by the size of its batch (the warm request computes
     8 rows, the cold one 180)."""
-    servers = cached_and_uncached(tiny_model("gemma3"), *WINDOW_ARGS, *ON_THE_DEVICE)
+    servers = cached_and_uncached(tiny_model("gemma3"), *WINDOW_ARGS, *on_the_device(layers))
     cached, uncached = next(servers)
     try:
         system = rules(8)
@@ -240,9 +399,11 @@ def test_a_sliding_window_model_on_the_device_hits_past_its_window_and_chats_exa
 
 
 @pytest.mark.gpu
-def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_redis(redis_url):
+@LAYERS
+def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_redis(redis_url,
+                                                                                    layers):
     url, _ = redis_url
-    args = (*ON_THE_DEVICE, "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
+    args = (*on_the_device(layers), "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
             "--redis-url", url)
     first = GatewayProcess(tiny_model("llama"), *args, health_timeout=900)
     second = GatewayProcess(tiny_model("llama"), *args, health_timeout=900)
@@ -260,8 +421,9 @@ def test_a_prefix_computed_on_one_gateways_device_loads_into_anothers_through_re
 
 
 @pytest.mark.gpu
-def test_a_restart_with_a_cache_dir_loads_its_prefixes_onto_the_device(tmp_path):
-    args = (*ON_THE_DEVICE, "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
+@LAYERS
+def test_a_restart_with_a_cache_dir_loads_its_prefixes_onto_the_device(tmp_path, layers):
+    args = (*on_the_device(layers), "--parallel", "2", "--ctx-size", "1024", "--block-size", "16",
             "--cache-dir", str(tmp_path))
 
     def ask(server: GatewayProcess) -> tuple[str, int]:
@@ -279,7 +441,7 @@ def test_a_worker_killed_mid_stream_on_the_device_leaks_nothing_and_is_replaced(
     """SIGKILL under a stream: the stream ends with an error event, a replacement worker loads
     the layers onto the device again and answers as before, and the pool holds no block and
     the cells no sequence of the killed request (the pool's consistency check passes)."""
-    server = GatewayProcess(tiny_model("llama"), *ON_THE_DEVICE, "--parallel", "2",
+    server = GatewayProcess(tiny_model("llama"), *on_the_device("all"), "--parallel", "2",
                             "--ctx-size", "1024", "--block-size", "16", health_timeout=900)
     try:
         client = openai_client(server)
