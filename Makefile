@@ -22,7 +22,7 @@ GPU_CMAKE_ARGS_metal := -DGGML_METAL=ON
 # lists the ones it needs (ai-dynamo's `aisimulate` is a placeholder that cannot be installed).
 DYNAMO := ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 
-.PHONY: setup serve test test-vulkan lint bench system-deps agents image-check
+.PHONY: setup serve test test-vulkan lint bench bench-gpu system-deps agents image-check
 
 setup: $(VENV)/.installed-$(BACKEND)
 
@@ -102,5 +102,13 @@ image-check:
 # llama-server once, runs every system and writes docs/benchmarks.md with its plots.
 bench: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[test,bench]"
-	test -x .bench/llama-server || loadtest/build_llama_server.sh
+	test -x .bench/llama-server || BACKEND=cpu loadtest/build_llama_server.sh
 	$(PY) -m loadtest.bench --docs docs/benchmarks.md $(ARGS)
+
+# The GPU benchmark (docs/gpu.md, minutes): prefixgate beside llama-server, both built for the
+# backend .venv was set up with (`make setup BACKEND=cuda`), every layer on the device; builds
+# llama-server for that backend once and prints the table.
+LLAMA_SERVER := .bench/llama-server$(if $(filter-out cpu,$(BACKEND)),-$(BACKEND))
+bench-gpu: setup
+	test -x $(LLAMA_SERVER) || BACKEND=$(BACKEND) loadtest/build_llama_server.sh
+	$(PY) -m loadtest.gpu_bench --backend $(BACKEND) $(ARGS)

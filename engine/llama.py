@@ -34,14 +34,15 @@ _RESTATED_WARNINGS = (b"possible training context overflow",)
 
 # What llama.cpp allocated, read from its INFO lines as it loads a model and creates contexts
 # ("load_tensors: Vulkan0 model buffer size = 33.01 MiB"): it has no API for it that
-# llama-cpp-python wraps. (buffer, kind) -> MiB, added up over the process's contexts.
-_BUFFER_LINE = re.compile(rb"(\S+) +(model|KV|RS|compute|output) buffer size = +([0-9.]+) MiB")
+# llama-cpp-python wraps (llama-server logs the same lines: loadtest/gpu_bench.py reads them).
+# (buffer, kind) -> MiB, added up over the process's contexts.
+BUFFER_LINE = re.compile(rb"(\S+) +(model|KV|RS|compute|output) buffer size = +([0-9.]+) MiB")
 _allocated: dict[tuple[str, str], float] = {}
 
 
 @lc.llama_log_callback
 def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    if level == 2 and (found := _BUFFER_LINE.search(text)):
+    if level == 2 and (found := BUFFER_LINE.search(text)):
         key = (found[1].decode(), found[2].decode())
         _allocated[key] = _allocated.get(key, 0.0) + float(found[3])
     # llama.cpp is chatty at INFO level; pass on only warnings and errors.

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +24,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scrape(base_url: str, metrics_key: str | None = None) -> list[Sample]:
+    """Every sample of a server's Prometheus /metrics."""
+    request = urllib.request.Request(base_url + "/metrics", headers={
+        "Authorization": f"Bearer {metrics_key}"} if metrics_key else {})
+    with urllib.request.urlopen(request, timeout=5) as r:
+        text = r.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
 class ServerProcess:
@@ -99,12 +109,8 @@ class GatewayProcess(ServerProcess):
         """A label's value -> the value of each `name` sample."""
         return {s.labels[label]: s.value for s in self._samples() if s.name == name}
 
-    def _samples(self):
-        request = urllib.request.Request(self.base_url + "/metrics", headers={
-            "Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {})
-        with urllib.request.urlopen(request, timeout=5) as r:
-            text = r.read().decode()
-        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    def _samples(self) -> list[Sample]:
+        return scrape(self.base_url, self.metrics_key)
 
     def consistency(self) -> dict:
         """/debug/consistency: {"ok", "problems"}."""

@@ -8,7 +8,10 @@ import re
 import subprocess
 import sys
 
+from engine.devices import Device
 from loadtest.gateway_process import ROOT
+from loadtest.gpu_bench import SYSTEM_NAMES, Measured, parse_args, report
+from tests.tiny_models import tiny_model
 
 
 def test_benchmark_runner_smoke(tmp_path):
@@ -56,3 +59,38 @@ def test_locust_users_report_ttft_and_tokens_per_second(gateway, tmp_path):
     assert int(rows[("TTFT", "shared prefix")]["Request Count"]) > 0
     assert int(rows[("tokens/s", "unique")]["Request Count"]) > 0
     assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+
+
+def test_gpu_benchmark_runs_end_to_end_and_prints_its_table(tmp_path):
+    """On the CPU build (--backend cpu): the same script a GPU machine runs, llama-server
+    reported as not built rather than left out."""
+    out = subprocess.run([sys.executable, "-m", "loadtest.gpu_bench", "--backend", "cpu",
+                          "--smoke", "--model", str(tiny_model("llama")),
+                          "--llama-server", str(tmp_path / "llama-server")],
+                         cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    figures = dict(re.findall(r"^\| ([^|]+) \| ([\d.]+) \| - \| - \|$", out, re.MULTILINE))
+
+    def figure(label: str) -> float:
+        return float(next(value for row, value in figures.items() if row.startswith(label)))
+
+    for level in (1, 2):
+        assert figure(f"shared prefix, concurrency {level}: TTFT p50 (s)") > 0
+        assert figure(f"multi-turn, concurrency {level}: output throughput (tok/s)") > 0
+    assert figure("64-token prefix computed on the device: TTFT p50 (s)") > 0
+    # The cached request's prefix came back from the pool.
+    assert figure("pool load into the device, per cached request") > 0
+    assert figure("KV on the host per sequence") > 0
+    assert figure("KV on the host held per live session") > 0
+    assert f"llama-server: not run: {tmp_path / 'llama-server'} not built (BACKEND=cpu" in out
+    assert "meaningless" not in out
+
+
+def test_gpu_benchmark_on_a_software_device_says_its_speed_figures_are_meaningless():
+    lavapipe = Device("Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "gpu", 2 << 30, 2 << 30)
+    settings = parse_args(["--backend", "vulkan", "--smoke", "--model", "tiny.gguf"])
+    table = report(settings, [lavapipe], {name: Measured() for name in SYSTEM_NAMES}, {})
+    assert "**Vulkan0 is a software device (llvmpipe (LLVM 15.0.6, 256 bits)" in table
+    assert "Every speed figure below is meaningless" in table
+    real = Device("CUDA0", "NVIDIA GeForce RTX 4090", "gpu", 24 << 30, 24 << 30)
+    assert "meaningless" not in report(settings, [real], {name: Measured()
+                                                         for name in SYSTEM_NAMES}, {})
