@@ -28,7 +28,7 @@ import xxhash
 
 from cache.arena import BlockArena
 from cache.block_pool import BlockPool
-from cache.radix_tree import Match, Node, PathReport, RadixTree
+from cache.radix_tree import BlockListener, Match, Node, PathReport, RadixTree
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,14 @@ class CacheIndex:
             spaces = {n.namespace for n in self.tree.nodes()
                       if namespace_hash(n.namespace) == namespace_hashed}
             return sum(self.tree.drop_unheld(space) for space in spaces)
+
+    def watch(self, listener: BlockListener) -> None:
+        """Tells `listener` of every block the tree holds, each after its parent, then of every
+        change: it starts from the tree as it is, with nothing in between missed."""
+        with self._lock:
+            for node in reversed(self.tree.by_recency()):
+                listener.added(node)
+            self.tree.listener = listener
 
     def chain_keys(self, tokens: np.ndarray, namespace: str) -> list[bytes]:
         with self._lock:

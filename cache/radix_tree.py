@@ -42,12 +42,24 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
 from cache.block_pool import BlockPool
 from cache.tokens import common_prefix
+
+
+class BlockListener(Protocol):
+    """Told of every block as it joins the tree (its KV written) and as it leaves it, under
+    the lock of whoever changes the tree: what mirrors the tree elsewhere (Dynamo's KV
+    events) keeps up without ever walking it again."""
+
+    def added(self, node: Node) -> None: ...
+
+    def removed(self, node: Node) -> None: ...
+
 
 # Given the token range [start, end) of a block the tree lacks, returns a slot holding its KV
 # with one reference, which the tree takes over, or None when there is none.
@@ -122,6 +134,7 @@ class RadixTree:
         self._pins_per_namespace: Counter[bytes] = Counter()
         # Heaps by (pin end, deepest first): the order in which pins expire or give way.
         self._pin_queue: dict[bytes, list[tuple[float, int, int, Node]]] = {}
+        self.listener: BlockListener | None = None
 
     def __len__(self) -> int:
         return len(self._index)
@@ -269,6 +282,8 @@ class RadixTree:
         self._index[key] = node
         self._lru[node] = None
         self._blocks[node.namespace] += 1
+        if self.listener is not None:
+            self.listener.added(node)
         self._drop_superseded(parent, node)
         return node
 
@@ -431,6 +446,8 @@ class RadixTree:
         self._blocks[node.namespace] -= 1
         self._forget_pin(node)
         self.pool.release(node.slot)
+        if self.listener is not None:
+            self.listener.removed(node)
         self._offer(node.parent)
 
     def _child(self, parent: Node, chunk: np.ndarray) -> Node | None:

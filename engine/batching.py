@@ -104,6 +104,7 @@ class _Sequence:
     holds: list[int] = field(default_factory=list)  # leases kept for resuming after preemption
     logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet delivered
     unsent: str = ""  # text of this step's tokens, delivered once the step is done with it
+    n_sent: int = 0  # generated tokens already delivered (as ids, beside their text)
     drafter: Drafter = field(default_factory=Drafter)
     draft: list[int] = field(default_factory=list)  # tokens this step verifies after its last
     predicted: list[int] = field(default_factory=lambda: [0, 0])  # accepted, rejected
@@ -653,7 +654,8 @@ class Engine:
         """The step's text of a running request, in one output; the first also says how much
         of the prompt was cached."""
         if seq.unsent or first:
-            seq.handle.deliver(Output(text=seq.unsent, logprobs=_take(seq.logprobs),
+            seq.handle.deliver(Output(text=seq.unsent, token_ids=_unsent_tokens(seq),
+                                      logprobs=_take(seq.logprobs),
                                       n_generated=seq.n_generated,
                                       cached_tokens=seq.cached if first else None))
             seq.unsent = ""
@@ -675,7 +677,7 @@ class Engine:
         self._release(seq)  # before the client hears the end, so nothing of it is left then
         seq.handle.deliver(dataclasses.replace(
             output, usage=usage, generated=tuple(seq.tokens[len(seq.request.prompt_tokens):]),
-            logprobs=_take(seq.logprobs)))
+            token_ids=_unsent_tokens(seq), logprobs=_take(seq.logprobs)))
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
@@ -732,3 +734,11 @@ def _take(pending: list[TokenLogprob]) -> tuple[TokenLogprob, ...]:
     taken = tuple(pending)
     pending.clear()
     return taken
+
+
+def _unsent_tokens(seq: _Sequence) -> tuple[int, ...]:
+    """The generated token ids not delivered yet, now delivered."""
+    start = len(seq.request.prompt_tokens) + seq.n_sent
+    new = tuple(seq.tokens[start:])
+    seq.n_sent += len(new)
+    return new

@@ -101,6 +101,7 @@ class Output:
     error: str | None = None
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
     generated: tuple[int, ...] = ()  # on the last output: every generated token id
+    token_ids: tuple[int, ...] = ()  # the generated tokens this output adds (Dynamo's stream)
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this output's text came from
     n_generated: int = 0  # completion tokens so far: what an abandoned request has cost
     cached_tokens: int | None = None  # on the first output: prompt tokens a cache served

@@ -12,6 +12,7 @@ from pathlib import Path
 from cache.redis_tier import TierConfig
 from engine.config import KV_TYPE_NAMES, SPLIT_MODES, CacheConfig, EngineConfig, Offload
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
+from gateway.dynamo.settings import DynamoSettings
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
 from gateway.workers.router import POLICIES, RoutingConfig
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workers(p.add_argument_group("worker processes and routing"))
     _prefix_cache(p.add_argument_group("prefix cache and its tiers"))
     _security_and_limits(p.add_argument_group("keys, tenants and limits"))
+    _dynamo(p.add_argument_group("NVIDIA Dynamo (docs/dynamo.md)"))
     _logging(p.add_argument_group("logging"))
     _environment_twins(p)
     return p
@@ -181,6 +183,21 @@ def _workers(p: argparse._ArgumentGroup) -> None:
                         "counts as stuck and is killed and replaced (0: never)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
+
+
+def _dynamo(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--dynamo", action="store_true",
+                   help="also serve as a Dynamo worker: register the model with Dynamo's "
+                        "discovery (DYN_DISCOVERY_BACKEND, ETCD_ENDPOINTS, ...), serve its "
+                        "token-level generate endpoint and publish the prefix cache as KV "
+                        "events for its KV router")
+    p.add_argument("--dynamo-endpoint", default=DynamoSettings.endpoint,
+                   metavar="NAMESPACE.COMPONENT.ENDPOINT",
+                   help="where the node serves in Dynamo")
+    p.add_argument("--dynamo-model-dir", type=Path, default=None,
+                   help="where the model directory Dynamo's frontend reads (tokenizer.json, "
+                        "tokenizer_config.json, config.json, made from the GGUF) is written "
+                        "(default: ~/.cache/prefixgate/dynamo-models)")
 
 
 def _prefix_cache(p: argparse._ArgumentGroup) -> None:
@@ -371,5 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         response_store_hours=args.response_store_hours,
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
+    dynamo = DynamoSettings(args.dynamo_endpoint, args.dynamo_model_dir) if args.dynamo \
+        else None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, dynamo))

@@ -18,6 +18,8 @@ from aiohttp import web
 
 from gateway.anthropic import routes as anthropic_routes
 from gateway.core.service import HISTORY_STEP, Gateway, ServerConfig
+from gateway.dynamo.node import DynamoNode, NodeError
+from gateway.dynamo.settings import DynamoSettings
 from gateway.edge import cors
 from gateway.edge.auth import KeyRing, bearer_matches
 from gateway.edge.errors import APIError, Shape
@@ -134,7 +136,8 @@ def build_app(gateway: Gateway) -> web.Application:
     return app
 
 
-async def serve(config: ServerConfig) -> None:
+async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None) -> None:
+    """`dynamo`: also serve as a Dynamo worker (gateway/dynamo/)."""
     gateway = Gateway(config)
     if config.keys is None:
         log.warning("no API keys configured (--api-keys-file, PREFIXGATE_API_KEYS): anyone who "
@@ -155,6 +158,7 @@ async def serve(config: ServerConfig) -> None:
                 gateway.sample_history()
 
     history = asyncio.create_task(keep_history())
+    node: DynamoNode | None = None
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV arena is unlinked
         loop.add_signal_handler(sig, stopping.set)
@@ -163,7 +167,15 @@ async def serve(config: ServerConfig) -> None:
         await asyncio.wait([loading, waiting], return_when=asyncio.FIRST_COMPLETED)
         if gateway.load_error:  # exit, so that a supervisor sees it and the user reads why
             raise SystemExit(f"prefixgate could not start: {gateway.load_error}")
+        if dynamo is not None and not stopping.is_set():
+            node = DynamoNode(gateway, dynamo)
+            try:
+                await node.start()
+            except NodeError as exc:
+                raise SystemExit(f"prefixgate could not join Dynamo: {exc}") from None
         await waiting
+        if node is not None:  # first: the frontend routes nothing more here
+            await node.stop(config.drain_seconds)
         log.info("stopping: %d requests in flight get up to %.0f s to finish",
                  gateway.workers.n_in_flight, config.drain_seconds)
         await gateway.workers.drain(config.drain_seconds)

@@ -187,38 +187,53 @@ async def generate(request: web.Request, body: Generating, prompt: RenderedPromp
     if planned.n > limits.max_n:
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
+    async with running(gateway, dataclasses.replace(planned, generation=generation),
+                       request["key"]) as (handles, choices, held):
+        timer = gateway.metrics.request_timer(len(prompt_tokens))
+
+        def cache_header() -> dict[str, str]:
+            """What the first choice got from the cache (its usage's cached tokens)."""
+            return {HEADER: header_value(choices[0].cached or 0, len(prompt_tokens), held)}
+
+        try:
+            if planned.stream:
+                return await _stream(request, handles, wire, timer, limits.request_timeout,
+                                     choices, cache_header)
+            return await _collect(handles, wire, timer, limits.request_timeout, choices,
+                                  cache_header)
+        finally:
+            if gateway.config.log_prompts:
+                log.info("tenant %r prompt %r answers %r", request["tenant"],
+                         gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+
+
+@contextlib.asynccontextmanager
+async def running(gateway: Gateway, plan: Plan, key: str | None
+                  ) -> AsyncIterator[tuple[list[GenerationHandle], list[Choice], Held]]:
+    """A planned request in flight on the workers, whatever API it came by: the Redis tier,
+    drafts and routing read first, its pins set, and on the way out its sequences freed
+    (whether or not its client stayed), its tokens charged to `key`'s rate and its pins set
+    again for what it stored. Yields its handles, a Choice for each, and what the cache held
+    for it."""
     pool = gateway.workers.pool
     # The index's lock is taken by the workers' reader threads too: the event loop never waits
     # for it (nor for Redis), every call to the index is made on a thread.
-    generation, held, in_pool = await asyncio.to_thread(_routing, gateway, generation)
-    handles = _submit(gateway, _choices(generation, planned.n), planned.cache_key, in_pool)
-    pins = planned.pins if pool is not None else ()
-    timer = gateway.metrics.request_timer(len(prompt_tokens))
+    generation, held, in_pool = await asyncio.to_thread(_routing, gateway, plan.generation)
+    handles = _submit(gateway, _choices(generation, plan.n), plan.cache_key, in_pool)
+    pins = plan.pins if pool is not None else ()
     choices = [Choice() for _ in handles]
-
-    def cache_header() -> dict[str, str]:
-        """What the first choice got from the cache (its usage's cached tokens)."""
-        return {HEADER: header_value(choices[0].cached or 0, len(prompt_tokens), held)}
-
     try:
         # Pins once admitted (a request refused with a 429 pins nothing): what is cached
         # already, now; the rest once it is stored.
         if pins:
             await asyncio.to_thread(_pin, pool, generation, pins)
-        if planned.stream:
-            return await _stream(request, handles, wire, timer, limits.request_timeout, choices,
-                                 cache_header)
-        return await _collect(handles, wire, timer, limits.request_timeout, choices,
-                              cache_header)
+        yield handles, choices, held
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished; frees the sequence if the client left
-        _charge_rate(gateway, request["key"], choices)
+        _charge_rate(gateway, key, choices)
         if pins:  # before a whole answer goes out: the next request finds them pinned
             await asyncio.to_thread(_pin, pool, generation, pins)
-        if gateway.config.log_prompts:
-            log.info("tenant %r prompt %r answers %r", request["tenant"],
-                     gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
 
 
 def _plan(request: web.Request, body: Generating, prompt: RenderedPrompt) -> Plan:
@@ -344,7 +359,7 @@ def _timed_out(seconds: float) -> APIError:
                     code="timeout")
 
 
-async def _outputs(handles: list[GenerationHandle], choices: list[Choice],
+async def outputs(handles: list[GenerationHandle], choices: list[Choice],
                    timer) -> AsyncIterator[tuple[int, Output]]:
     """Every choice's outputs as they come, with the choice's index, each one timed and added
     to its Choice first (text, logprobs; on the last one why it ended and its usage)."""
@@ -404,7 +419,7 @@ async def _collect(handles: list[GenerationHandle], wire: Wire, timer, timeout: 
                    ) -> web.Response:
     try:
         async with asyncio.timeout(timeout):
-            async for i, output in _outputs(handles, choices, timer):
+            async for i, output in outputs(handles, choices, timer):
                 if output.error:
                     raise _generation_error(output)
                 if output.last:
@@ -436,7 +451,7 @@ async def _stream(request: web.Request, handles: list[GenerationHandle], wire: W
 
     try:
         async with asyncio.timeout(timeout):
-            async for i, output in _outputs(handles, choices, timer):
+            async for i, output in outputs(handles, choices, timer):
                 if output.error:
                     await send(wire.failure(_generation_error(output)), opened=True)
                     break

@@ -1,0 +1,82 @@
+"""Dynamo's generate endpoint on a node: its token-level request becomes the same planned
+generation the HTTP APIs make, run on the one path (gateway/core/generation.py `running`: the
+Redis tier, drafts, the workers, the freeing of everything it held), and its outputs go back as
+Dynamo's token chunks: `{"token_ids": [...], "index": 0}`, the last with `finish_reason` and
+`completion_usage` (with the prompt tokens the cache served)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.messages import Output, Usage
+from gateway.core.generation import Plan, outputs, running
+from gateway.core.requests import Serving
+from gateway.core.service import Gateway
+from gateway.dynamo.requests import DynamoRequest, UnsupportedRequest
+from gateway.edge.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+class GenerationFailed(RuntimeError):
+    """What the frontend hears when a request fails on the node (its message says why)."""
+
+
+class Generate:
+    """The endpoint's handler: `generate(request, context)`, an async generator of chunks."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.stop_tokens = frozenset(int(t) for t in gateway.model.eog_tokens)
+
+    async def __call__(self, body: dict, context: Any) -> AsyncIterator[dict]:
+        gateway = self.gateway
+        try:
+            request = DynamoRequest.of(body)
+            serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
+                              gateway.config.limits.max_tokens, gateway.config.sampling,
+                              request.namespace)
+            generation = request.to_generation(serving, self.stop_tokens)
+        except UnsupportedRequest as exc:
+            raise GenerationFailed(f"prefixgate refused the request: {exc}") from None
+        try:
+            async with running(gateway, Plan(generation), key=None) as (handles, choices, _):
+                timer = gateway.metrics.request_timer(len(generation.prompt_tokens))
+                async with contextlib.aclosing(outputs(handles, choices, timer)) as stream:
+                    async for _, output in stream:
+                        if context.is_stopped():  # the frontend's client went away
+                            return
+                        if output.error:
+                            raise GenerationFailed(f"generation failed on the node: "
+                                                   f"{output.error}")
+                        yield chunk(output)
+        except APIError as exc:  # refused at admission: at capacity, or no engine serving
+            raise GenerationFailed(f"prefixgate refused the request ({exc.status}): "
+                                   f"{exc.message}") from None
+        except asyncio.CancelledError:
+            log.info("a Dynamo request was cancelled")
+            raise
+
+
+def chunk(output: Output) -> dict:
+    """One output as Dynamo's LLMEngineOutput."""
+    out: dict = {"token_ids": list(output.token_ids), "index": 0}
+    if output.logprobs:
+        out["log_probs"] = [p.logprob for p in output.logprobs]
+        out["top_logprobs"] = [[{"rank": rank, "token_id": token, "logprob": logprob}
+                                for rank, (token, logprob) in enumerate(p.top, 1)]
+                               for p in output.logprobs]
+    if output.usage is not None:
+        out["finish_reason"] = output.finish_reason
+        out["completion_usage"] = usage(output.usage)
+    return out
+
+
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

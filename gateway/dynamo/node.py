@@ -1,0 +1,118 @@
+"""A running gateway as a Dynamo worker (`prefixgate --dynamo`): the model registered as token
+input for chat and completions, with the pool's block size and blocks, the workers' sequences
+and the context length; Dynamo's generate endpoint served on the gateway's one generation path;
+the radix tree published as KV events; the load published for the router's cost; deregistered
+on shutdown. Discovery, request and event planes come from Dynamo's own environment variables
+(DYN_DISCOVERY_BACKEND, ETCD_ENDPOINTS, DYN_REQUEST_PLANE, DYN_EVENT_PLANE, ...)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+
+from gateway.core.service import Gateway
+from gateway.dynamo.assets import ModelFacts, model_directory
+from gateway.dynamo.events import KvEvents
+from gateway.dynamo.handler import Generate
+from gateway.dynamo.settings import DynamoSettings
+
+log = logging.getLogger(__name__)
+
+LOAD_SECONDS = 1.0  # how often the load goes to the router
+
+
+class NodeError(RuntimeError):
+    """The node cannot join Dynamo (its message says why)."""
+
+
+class DynamoNode:
+    def __init__(self, gateway: Gateway, settings: DynamoSettings) -> None:
+        self.gateway = gateway
+        self.settings = settings
+        self._runtime = None
+        self._tasks: list[asyncio.Future] = []
+
+    async def start(self) -> None:
+        """Registers the model and serves the endpoint; a NodeError when it cannot."""
+        # Dynamo is imported only by a node: its Rust core is large and slow to load, and the
+        # plain gateway never needs it.
+        from dynamo.llm import (
+            KvEventPublisher,
+            ModelInput,
+            ModelRuntimeConfig,
+            ModelType,
+            WorkerMetricsPublisher,
+            WorkerType,
+            register_model,
+        )
+        from dynamo.runtime import DistributedRuntime
+
+        from gateway.dynamo.vocab import VocabularyError
+
+        gateway, config = self.gateway, self.gateway.config
+        pool = gateway.workers.pool
+        if pool is None:
+            raise NodeError("--dynamo needs the prefix cache: its KV events are the pool's "
+                            "blocks (leave out --no-prefix-cache)")
+        header = pool.arena.header
+        facts = ModelFacts.of(gateway.model, gateway.workers.seq_len, config.chat_template)
+        try:
+            directory = await asyncio.to_thread(model_directory, config.workers.model_path,
+                                                facts, self.settings.model_dir)
+        except VocabularyError as exc:
+            raise NodeError(str(exc)) from None
+        loop = asyncio.get_running_loop()
+        runtime = self._runtime = DistributedRuntime(
+            loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+            os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+        endpoint = runtime.endpoint(self.settings.endpoint)
+        # The local indexer lets a router that starts later ask this node for its blocks.
+        publisher = KvEventPublisher(endpoint, kv_block_size=header.block_size,
+                                     enable_local_indexer=True)
+        pool.index.watch(KvEvents(publisher, header.block_size))
+        load = WorkerMetricsPublisher()
+        await load.create_endpoint(endpoint)
+        self._tasks = [
+            asyncio.ensure_future(endpoint.serve_endpoint(Generate(gateway),
+                                                          graceful_shutdown=True)),
+            asyncio.create_task(self._publish_load(load, header.block_size)),
+        ]
+        runtime_config = ModelRuntimeConfig()
+        runtime_config.total_kv_blocks = header.n_slots
+        runtime_config.max_num_seqs = config.workers.n_workers * config.workers.engine.parallel
+        runtime_config.context_length = gateway.workers.seq_len
+        runtime_config.enable_local_indexer = True
+        await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions,
+                             endpoint, str(directory), config.model_name,
+                             worker_type=WorkerType.Aggregated,
+                             kv_cache_block_size=header.block_size,
+                             runtime_config=runtime_config)
+        log.info("serving %r on Dynamo at %s: blocks of %d tokens, %d of them", config.model_name,
+                 self.settings.endpoint, header.block_size, header.n_slots)
+
+    async def _publish_load(self, publisher, block_size: int) -> None:
+        """What the router adds to a node's cost: the KV blocks its running sequences hold,
+        and the pool's blocks in use."""
+        pool = self.gateway.workers.pool
+        while True:
+            cells = sum(v.snapshot.cells_used for v in self.gateway.workers.views())
+            used = (await asyncio.to_thread(pool.index.snapshot)).blocks_used
+            publisher.publish(active_decode_blocks=math.ceil(cells / block_size),
+                              kv_used_blocks=used)
+            await asyncio.sleep(LOAD_SECONDS)
+
+    async def stop(self, drain_seconds: float) -> None:
+        """Deregisters (the frontend stops routing here at once, not at etcd's lease end),
+        then lets the requests in flight finish within `drain_seconds`."""
+        if self._runtime is not None:
+            self._runtime.shutdown()
+        if self._tasks:
+            await asyncio.wait(self._tasks[:1], timeout=drain_seconds)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        log.info("left Dynamo")

@@ -1,0 +1,248 @@
+"""prefixgate nodes as Dynamo workers (gateway/dynamo/), with real Dynamo 1.6.1 from PyPI: two
+nodes as separate processes (each its own pool, one thread), Dynamo's own frontend in front of
+them (`python -m dynamo.frontend`, with the KV router and with round-robin), the openai SDK
+against the frontend, and Dynamo's own Python KvRouter reading the nodes' KV events. Discovery
+through Dynamo's file backend, events over ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from gateway.workers.model_store import default_model_path
+from loadtest.gateway_process import ROOT, GatewayProcess, ServerProcess
+
+NODE_ARGS = ("--dynamo", "--threads", "1", "--parallel", "2", "--ctx-size", "4096",
+             "--block-size", "16", "--admin-key", "admin")
+ENDPOINT = "dynamo.prefixgate.generate"
+BLOCK = 16
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp / "discovery"),
+                    "DYN_REQUEST_PLANE": "tcp", "HOME": str(tmp)}  # the frontend's cache
+        self.model_dir = tmp / "models"
+        self.nodes = [self.node() for _ in range(2)]
+        self.frontends: dict[str, ServerProcess] = {}
+
+    def node(self) -> GatewayProcess:
+        return GatewayProcess(default_model_path(), *NODE_ARGS, "--dynamo-model-dir",
+                              str(self.model_dir), env=self.env)
+
+    def frontend(self, mode: str) -> openai.OpenAI:
+        if mode not in self.frontends:
+            self.frontends[mode] = ServerProcess(
+                [sys.executable, "-m", "dynamo.frontend", "--router-mode", mode,
+                 "--http-host", "127.0.0.1", "--http-port", "{port}"], "/v1/models",
+                ROOT / ".pytest_cache" / f"frontend-{mode}-{os.getpid()}.log", env=self.env)
+        server = self.frontends[mode]
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused",
+                               max_retries=0)
+        for _ in range(300):  # until the frontend has found a node's model in discovery
+            if client.models.list().data:
+                return client
+            time.sleep(0.1)
+        pytest.fail("Dynamo's frontend never found the nodes' model")
+
+    def stop(self) -> None:
+        for server in [*self.frontends.values(), *self.nodes]:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("dynamo"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return default_model_path().stem
+
+
+def computed(node: GatewayProcess) -> float:
+    return node.metrics().get("prefixgate_prompt_tokens_computed_total",
+                              node.metrics().get("prefixgate_prompt_tokens_computed", 0.0))
+
+
+def answered(node: GatewayProcess) -> float:
+    return sum(node.labelled("prefixgate_requests_total", "finish_reason").values())
+
+
+def system_prompt(topic: str) -> str:
+    rules = " ".join(f"Rule {i}: answer questions about {topic} with care number {i}."
+                     for i in range(30))
+    return f"You are an assistant for {topic}. {rules}"
+
+
+def ask(client: openai.OpenAI, model: str, system: str, question: str = "Hello?"):
+    return client.chat.completions.create(
+        model=model, max_tokens=1, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def replay(cluster: Cluster, client: openai.OpenAI, model: str, topics: list[str]
+           ) -> tuple[list[float], list[float], int]:
+    """Every prompt, then every prompt again: the prompt tokens each node computed in each
+    round, and the second round's prompt tokens."""
+    rounds, prompt_tokens = [], 0
+    for _ in range(2):
+        before = [computed(n) for n in cluster.nodes]
+        prompt_tokens = sum(ask(client, model, system_prompt(t)).usage.prompt_tokens
+                            for t in topics)
+        rounds.append([computed(n) - b for n, b in zip(cluster.nodes, before, strict=True)])
+    return rounds[0], rounds[1], prompt_tokens
+
+
+def wait_for_both_nodes(cluster: Cluster, client: openai.OpenAI, model: str) -> None:
+    """Until round-robin has reached each node (the frontend sees both)."""
+    before = [answered(n) for n in cluster.nodes]
+    for i in range(20):
+        ask(client, model, f"warm-up {i}")
+        if all(answered(n) > b for n, b in zip(cluster.nodes, before, strict=True)):
+            return
+    pytest.fail("the round-robin frontend never reached both nodes")
+
+
+def test_the_kv_router_sends_each_prefix_to_the_node_holding_it(cluster, model):
+    client = cluster.frontend("kv")
+    first, second, prompt_tokens = replay(cluster, client, model,
+                                          ["astronomy", "gardening", "tax law"])
+    assert sum(first) > 3 * 300  # each prompt computed once, somewhere
+    # The repeats read their prompts from the node that holds them: at most the last partial
+    # block and the question are computed again.
+    assert sum(second) < 0.15 * prompt_tokens, (first, second)
+
+
+def test_round_robin_computes_the_repeats_again(cluster, model):
+    client = cluster.frontend("round-robin")
+    wait_for_both_nodes(cluster, client, model)
+    first, second, prompt_tokens = replay(cluster, client, model,
+                                          ["chemistry", "cooking", "sailing"])
+    # Three prompts alternating over two nodes: each repeat lands on the other node.
+    assert sum(second) > 0.8 * prompt_tokens, (first, second)
+
+
+def test_a_chat_through_the_frontend_equals_the_nodes_own_answer(cluster, model):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    through = cluster.frontend("kv").chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0)
+    direct = openai.OpenAI(base_url=cluster.nodes[0].base_url + "/v1", api_key="unused"
+                           ).chat.completions.create(model=model, messages=messages,
+                                                     max_tokens=8, temperature=0)
+    assert through.choices[0].message.content == direct.choices[0].message.content
+    assert through.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert through.choices[0].finish_reason == "length"
+
+
+# ----- the KV events, through Dynamo's own KvRouter ----------------------------------------
+
+
+class Router:
+    """Dynamo's KvRouter over the nodes, in this process: what it finds, and requests sent
+    through it with a cache salt."""
+
+    def __init__(self, cluster: Cluster, model: str) -> None:
+        from dynamo.llm import KvRouter, KvRouterConfig
+        from dynamo.runtime import DistributedRuntime
+
+        os.environ["DYN_FILE_KV"] = cluster.env["DYN_FILE_KV"]
+        self.model = model
+        self.runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        self.router = KvRouter(self.runtime.endpoint(ENDPOINT), BLOCK, KvRouterConfig())
+
+    async def store(self, tokens: list[int], namespace: str | None = None) -> None:
+        request = {"model": self.model, "token_ids": tokens,
+                   "stop_conditions": {"max_tokens": 1}, "sampling_options": {},
+                   "output_options": {}, "eos_token_ids": [],
+                   "routing": {"cache_salt": namespace} if namespace else {}}
+        chunks = [c async for c in await self.router.generate_from_request(request)]
+        last = chunks[-1].get("data", chunks[-1])
+        assert last["finish_reason"] == "length", chunks
+        assert last["completion_usage"]["prompt_tokens"] == len(tokens)
+
+    async def overlap(self, tokens: list[int], namespace: str | None = None,
+                      until: bool | None = None) -> int:
+        """Blocks of `tokens` on the best node; `until`: waits (a bounded number of looks)
+        for the events that make it nonzero (True) or zero (False) to arrive."""
+        for _ in range(100):
+            _, _, found = await self.router.best_worker(tokens, cache_namespace=namespace)
+            if until is None or bool(found) == until:
+                break
+            await asyncio.sleep(0.1)
+        return found
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+
+
+def with_router(cluster: Cluster, model: str, scenario) -> None:
+    async def run() -> None:
+        router = Router(cluster, model)
+        try:
+            await scenario(router)
+        finally:
+            router.close()
+
+    asyncio.run(run())
+
+
+def random_prompt(seed: int, n: int = 200) -> list[int]:
+    return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
+
+
+def drop_cache(node: GatewayProcess) -> None:
+    request = urllib.request.Request(node.base_url + "/v1/cache/prefixes", method="DELETE",
+                                     headers={"Authorization": "Bearer admin"})
+    urllib.request.urlopen(request, timeout=30).read()
+
+
+def test_the_router_sees_a_stored_prefix_and_not_after_its_eviction(cluster, model):
+    tokens = random_prompt(1)
+
+    async def scenario(router: Router) -> None:
+        assert await router.overlap(tokens) == 0
+        await router.store(tokens)
+        assert await router.overlap(tokens, until=True) >= len(tokens) // BLOCK - 1
+        for node in cluster.nodes:
+            await asyncio.to_thread(drop_cache, node)
+        assert await router.overlap(tokens, until=False) == 0
+
+    with_router(cluster, model, scenario)
+
+
+def test_tenants_namespaces_are_apart(cluster, model):
+    tokens = random_prompt(2)
+
+    async def scenario(router: Router) -> None:
+        await router.store(tokens, "tenant:a")
+        assert await router.overlap(tokens, "tenant:a", until=True) >= len(tokens) // BLOCK - 1
+        assert await router.overlap(tokens) == 0
+        assert await router.overlap(tokens, "tenant:b") == 0
+
+    with_router(cluster, model, scenario)
+
+
+def test_a_restarted_node_starts_with_its_blocks_cleared(cluster, model):
+    tokens = random_prompt(3)
+
+    async def scenario(router: Router) -> None:
+        await router.store(tokens)
+        assert await router.overlap(tokens, until=True) > 0
+        for i, node in enumerate(cluster.nodes):  # one at a time, as a rolling restart
+            await asyncio.to_thread(node.stop)
+            cluster.nodes[i] = await asyncio.to_thread(cluster.node)
+        assert await router.overlap(tokens, until=False) == 0
+
+    with_router(cluster, model, scenario)
