@@ -437,6 +437,33 @@ def test_a_restart_with_a_cache_dir_loads_its_prefixes_onto_the_device(tmp_path,
 
 
 @pytest.mark.gpu
+def test_two_workers_take_a_device_each_and_share_the_pool():
+    """lavapipe listed twice is two Vulkan devices: each of two workers loads every layer onto
+    its own, and a prompt one computed on its device loads into the other's from the pool
+    (round-robin routing sends the repeat to the other worker) and answers the same."""
+    server = GatewayProcess(tiny_model("llama"), "--n-gpu-layers", "all", "--workers", "2",
+                            "--routing", "round-robin", "--parallel", "2", "--ctx-size", "1024",
+                            "--block-size", "16", env={"GGML_VK_VISIBLE_DEVICES": "0,0"},
+                            health_timeout=900)
+    try:
+        wait_for_health(server, "ok", timeout=300)  # both workers: round-robin's order is known
+        log = server.log_path.read_text()
+        for worker, device in enumerate(["Vulkan0", "Vulkan1"]):
+            assert re.search(rf"worker-{worker} .*5 layers on {device} \(worker {worker} of 2 "
+                             r"on a device of its own; --n-gpu-layers all\)", log), log[-3000:]
+        client = openai_client(server)
+        first, second = (client.chat.completions.create(
+            model=server.model_name, messages=CHAT, max_tokens=12, temperature=0)
+            for _ in range(2))
+        assert set(server.per_worker("prefixgate_routing_decisions_total").values()) == {1}
+        assert second.usage.prompt_tokens_details.cached_tokens >= 32
+        assert second.choices[0].message.content == first.choices[0].message.content
+        assert server.settled()["prefixgate_kv_pool_blocks_held"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
 def test_a_worker_killed_mid_stream_on_the_device_leaks_nothing_and_is_replaced():
     """SIGKILL under a stream: the stream ends with an error event, a replacement worker loads
     the layers onto the device again and answers as before, and the pool holds no block and
