@@ -26,6 +26,7 @@ import asyncio
 import os
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -263,11 +264,11 @@ def kv_cell_bytes(server: RunningServer, system: System, m: Measured) -> float |
         / pool["prefixgate_kv_pool_block_tokens"]
 
 
-def measure_system(system: System, settings: GpuSettings, model: Model,
+def measure_system(system: System, settings: GpuSettings, model: Model, logs: Path,
                    into: Measured) -> str | None:
     """Runs everything on one system; returns why it could not run, or None."""
     record: dict = {}
-    with serving(system, ROOT / "loadtest" / "results" / "gpu", record) as server:
+    with serving(system, logs, record) as server:
         if server is None:
             return record["missing"]
         # Unmeasured: a device compiles its kernels for each shape on first use, and the
@@ -402,9 +403,13 @@ def run(settings: GpuSettings) -> str:
               "meaningless", flush=True)
     model = Model(str(settings.model), vocab_only=True)
     measured, missing = {name: Measured() for name in SYSTEM_NAMES}, {}
+    # The servers' logs, a folder a run: a server appends to its log, and llama-server's
+    # memory is read from its own start-up lines.
+    logs = ROOT / "loadtest" / "results" / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"server logs: {logs}", flush=True)
     try:
         for name, system in systems(settings).items():
-            if why := measure_system(system, settings, model, measured[name]):
+            if why := measure_system(system, settings, model, logs, measured[name]):
                 missing[name] = why
     finally:
         model.close()
