@@ -191,9 +191,14 @@ def _dynamo(p: argparse._ArgumentGroup) -> None:
                         "discovery (DYN_DISCOVERY_BACKEND, ETCD_ENDPOINTS, ...), serve its "
                         "token-level generate endpoint and publish the prefix cache as KV "
                         "events for its KV router")
+    p.add_argument("--dynamo-front", action="store_true",
+                   help="serve the HTTP APIs with no engine of its own, in front of the "
+                        "prefixgate nodes (--dynamo) found in Dynamo's discovery: each request "
+                        "goes to the node Dynamo's KV router picks for its prompt and tenant "
+                        "(only a vocabulary-only load of --model, the nodes' GGUF)")
     p.add_argument("--dynamo-endpoint", default=DynamoSettings.endpoint,
                    metavar="NAMESPACE.COMPONENT.ENDPOINT",
-                   help="where the node serves in Dynamo")
+                   help="where the node serves in Dynamo (a front: where its nodes serve)")
     p.add_argument("--dynamo-model-dir", type=Path, default=None,
                    help="where the model directory Dynamo's frontend reads (tokenizer.json, "
                         "tokenizer_config.json, config.json, made from the GGUF) is written "
@@ -317,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--deterministic keeps its guarantee with Q8_0 KV only")
     if args.flash_attn == "off" and (args.kv_type == "q8_0" or args.deterministic):
         parser.error("q8_0 KV and --deterministic need flash attention")
+    if args.dynamo and args.dynamo_front:
+        parser.error("--dynamo (a node) and --dynamo-front (a front over nodes) exclude each "
+                     "other")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1 and args.top_k >= 0
@@ -388,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         response_store_hours=args.response_store_hours,
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
-    dynamo = DynamoSettings(args.dynamo_endpoint, args.dynamo_model_dir) if args.dynamo \
-        else None
+    dynamo = DynamoSettings(args.dynamo_endpoint, args.dynamo_model_dir)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, dynamo))
+        asyncio.run(serve(config, dynamo if args.dynamo else None,
+                          dynamo if args.dynamo_front else None))

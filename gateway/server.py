@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway.anthropic import routes as anthropic_routes
 from gateway.core.service import HISTORY_STEP, Gateway, ServerConfig
+from gateway.dynamo.front import DynamoFront
 from gateway.dynamo.node import DynamoNode, NodeError
 from gateway.dynamo.settings import DynamoSettings
 from gateway.edge import cors
@@ -48,7 +49,8 @@ async def health(request: web.Request) -> web.Response:
     workers = gateway.workers.states()
     n_ready = sum(w["state"] == "ready" for w in workers)
     # Degraded: a worker is being replaced; the others serve, so the instance stays in rotation.
-    status = "ok" if n_ready == len(workers) else "degraded" if n_ready else "unavailable"
+    # A front with no node left (gateway/dynamo/front.py) is unavailable.
+    status = "unavailable" if not n_ready else "ok" if n_ready == len(workers) else "degraded"
     return web.json_response({"status": status, "workers": workers},
                              status=503 if status == "unavailable" else 200)
 
@@ -136,9 +138,11 @@ def build_app(gateway: Gateway) -> web.Application:
     return app
 
 
-async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None) -> None:
-    """`dynamo`: also serve as a Dynamo worker (gateway/dynamo/)."""
-    gateway = Gateway(config)
+async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
+                front: DynamoSettings | None = None) -> None:
+    """`dynamo`: also serve as a Dynamo worker (gateway/dynamo/node.py); `front`: serve with no
+    engine of its own, in front of the Dynamo nodes there (gateway/dynamo/front.py)."""
+    gateway = Gateway(config, DynamoFront(front, config.model_name) if front else None)
     if config.keys is None:
         log.warning("no API keys configured (--api-keys-file, PREFIXGATE_API_KEYS): anyone who "
                     "can reach %s:%d may use it, and every request shares one cache namespace",

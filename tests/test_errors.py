@@ -14,10 +14,11 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def call(gateway, path: str, body: bytes | dict | None, method: str = "POST"):
+def call(gateway, path: str, body: bytes | dict | None, method: str = "POST",
+         headers: dict[str, str] | None = None):
     data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
     req = urllib.request.Request(gateway.base_url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())

@@ -219,8 +219,11 @@ async def running(gateway: Gateway, plan: Plan, key: str | None
     # The index's lock is taken by the workers' reader threads too: the event loop never waits
     # for it (nor for Redis), every call to the index is made on a thread.
     generation, held, in_pool = await asyncio.to_thread(_routing, gateway, plan.generation)
-    handles = _submit(gateway, _choices(generation, plan.n), plan.cache_key, in_pool)
+    # Pins go with the request to engines whose pool is elsewhere (a Dynamo node's); this
+    # process's pool is pinned here.
     pins = plan.pins if pool is not None else ()
+    handles = _submit(gateway, _choices(generation, plan.n), plan.cache_key, in_pool,
+                      plan.pins if pool is None else ())
     choices = [Choice() for _ in handles]
     try:
         # Pins once admitted (a request refused with a 429 pins nothing): what is cached
@@ -341,9 +344,10 @@ def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
 
 
 def _submit(gateway: Gateway, generations: list[GenerationRequest],
-            cache_key: str | None, pool_cached: int) -> list[GenerationHandle]:
+            cache_key: str | None, pool_cached: int, pins: tuple[Pin, ...]
+            ) -> list[GenerationHandle]:
     try:
-        return gateway.workers.submit_group(generations, cache_key, pool_cached)
+        return gateway.workers.submit_group(generations, cache_key, pool_cached, pins)
     except Overloaded as exc:
         gateway.metrics.refused.labels("capacity").inc()
         raise APIError(429, f"The server is at capacity ({exc}); retry shortly",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cache.fingerprint import gguf_fingerprint
 from engine.llama import Model
 from gateway.config import Limits, SamplingDefaults, WorkersConfig
+from gateway.core.engines import Engines
 from gateway.edge.auth import KeyRing
 from gateway.edge.errors import APIError
 from gateway.edge.metrics import Metrics, draft_counts
@@ -78,11 +79,12 @@ class Gateway:
     """What the handlers share: the vocabulary (for prompts), the engine workers, and the
     metrics. Workers start on a background thread so that /health can answer 503 meanwhile."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, engines: Engines | None = None) -> None:
+        """`engines`: who runs the requests; this machine's engine workers by default."""
         self.config = config
         self.model: Model | None = None  # vocabulary only: the weights live in the workers
         self.prompts: PromptBuilder | None = None
-        self.workers = Workers(config.workers)
+        self.workers: Engines = engines or Workers(config.workers)
         self.load_error: str | None = None
         self.responses = ResponseStore(config.response_store_mb << 20,
                                        config.response_store_hours * 3600,
@@ -105,12 +107,7 @@ class Gateway:
             self.prompts = PromptBuilder(self.model, self.config.chat_template)
             self.workers.start(loop)
             self._attach_responses(model_path)
-            engine = self.config.workers.engine
-            log.info("serving %s as %r: %d worker(s), each %d parallel sequences in %d KV cells "
-                     "(%s), requests of up to %d tokens", model_path, self.config.model_name,
-                     self.config.workers.n_workers, engine.parallel, engine.ctx_size,
-                     "deterministic" if engine.deterministic else "unified",
-                     self.workers.seq_len)
+            log.info("serving %s as %r", model_path, self.config.model_name)
         except Exception as exc:
             log.exception("starting the engine workers failed")
             self.load_error = str(exc)

@@ -2,7 +2,9 @@
 generation the HTTP APIs make, run on the one path (gateway/core/generation.py `running`: the
 Redis tier, drafts, the workers, the freeing of everything it held), and its outputs go back as
 Dynamo's token chunks: `{"token_ids": [...], "index": 0}`, the last with `finish_reason` and
-`completion_usage` (with the prompt tokens the cache served)."""
+`completion_usage` (with the prompt tokens the cache served). A request from prefixgate's front
+runs the front's own plan (gateway/dynamo/requests.py `Planned`, its pins included) and gets
+each output whole besides, as the engine made it, in the chunk's `extra_args`."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from engine.messages import Output, Usage
 from gateway.core.generation import Plan, outputs, running
 from gateway.core.requests import Serving
 from gateway.core.service import Gateway
-from gateway.dynamo.requests import DynamoRequest, UnsupportedRequest
+from gateway.dynamo import codec
+from gateway.dynamo.requests import PLANNED, DynamoRequest, UnsupportedRequest
 from gateway.edge.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -40,11 +43,13 @@ class Generate:
             serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
                               gateway.config.limits.max_tokens, gateway.config.sampling,
                               request.namespace)
-            generation = request.to_generation(serving, self.stop_tokens)
+            plan = Plan(request.planned_generation(serving), pins=request.planned.pins) \
+                if request.planned else Plan(request.to_generation(serving, self.stop_tokens))
         except UnsupportedRequest as exc:
             raise GenerationFailed(f"prefixgate refused the request: {exc}") from None
+        generation, whole, last = plan.generation, request.planned is not None, None
         try:
-            async with running(gateway, Plan(generation), key=None) as (handles, choices, _):
+            async with running(gateway, plan, key=None) as (handles, choices, _):
                 timer = gateway.metrics.request_timer(len(generation.prompt_tokens))
                 async with contextlib.aclosing(outputs(handles, choices, timer)) as stream:
                     async for _, output in stream:
@@ -53,7 +58,13 @@ class Generate:
                         if output.error:
                             raise GenerationFailed(f"generation failed on the node: "
                                                    f"{output.error}")
-                        yield chunk(output)
+                        if output.last:
+                            last = chunk(output, whole)
+                        else:
+                            yield chunk(output, whole)
+            # The last chunk once the request has let go of what it held and its pins are set
+            # for what it stored: the next request finds them, as on the HTTP APIs.
+            yield last
         except APIError as exc:  # refused at admission: at capacity, or no engine serving
             raise GenerationFailed(f"prefixgate refused the request ({exc.status}): "
                                    f"{exc.message}") from None
@@ -62,9 +73,11 @@ class Generate:
             raise
 
 
-def chunk(output: Output) -> dict:
-    """One output as Dynamo's LLMEngineOutput."""
+def chunk(output: Output, whole: bool = False) -> dict:
+    """One output as Dynamo's LLMEngineOutput; `whole`: the engine's Output too, for a front."""
     out: dict = {"token_ids": list(output.token_ids), "index": 0}
+    if whole:
+        out["extra_args"] = {PLANNED: codec.encode(output)}
     if output.logprobs:
         out["log_probs"] = [p.logprob for p in output.logprobs]
         out["top_logprobs"] = [[{"rank": rank, "token_id": token, "logprob": logprob}

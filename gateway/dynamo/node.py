@@ -11,13 +11,12 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 
 from gateway.core.service import Gateway
 from gateway.dynamo.assets import ModelFacts, model_directory
 from gateway.dynamo.events import KvEvents
 from gateway.dynamo.handler import Generate
-from gateway.dynamo.settings import DynamoSettings
+from gateway.dynamo.settings import DynamoSettings, distributed_runtime
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,6 @@ class DynamoNode:
             WorkerType,
             register_model,
         )
-        from dynamo.runtime import DistributedRuntime
 
         from gateway.dynamo.vocab import VocabularyError
 
@@ -64,10 +62,7 @@ class DynamoNode:
                                                 facts, self.settings.model_dir)
         except VocabularyError as exc:
             raise NodeError(str(exc)) from None
-        loop = asyncio.get_running_loop()
-        runtime = self._runtime = DistributedRuntime(
-            loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
-            os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+        runtime = self._runtime = distributed_runtime(asyncio.get_running_loop())
         endpoint = runtime.endpoint(self.settings.endpoint)
         # The local indexer lets a router that starts later ask this node for its blocks.
         publisher = KvEventPublisher(endpoint, kv_block_size=header.block_size,

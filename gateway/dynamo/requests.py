@@ -1,15 +1,24 @@
 """Dynamo's token-level request (its frontend's PreprocessedRequest: prompt tokens, sampling
 options, stop conditions, output options) as the generation every API builds, under the same
 rules: the sampling it asks for over the server's defaults, the completion room its prompt
-leaves. What this server does not do is an error naming it, never ignored."""
+leaves. What this server does not do is an error naming it, never ignored.
+
+From prefixgate's own front the request also carries the generation as the front planned it
+(`extra_args.prefixgate`: grammar, stop strings, logit bias, prediction, pins...), which the
+node runs as it is, within its own bounds."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.messages import GenerationRequest
 from gateway.core.requests import Serving, completion_room, sampler_settings
+from gateway.dynamo import codec
 from gateway.edge.errors import APIError
+from gateway.formats.prompts import Pin
+
+PLANNED = "prefixgate"  # the key of a front's plan in Dynamo's extra_args
 
 
 class UnsupportedRequest(ValueError):
@@ -25,6 +34,7 @@ class DynamoRequest:
     stop: dict
     output: dict
     namespace: str  # the router's cache salt: the tenant's cache namespace
+    planned: Planned | None = None  # from prefixgate's front
 
     @classmethod
     def of(cls, body: dict) -> DynamoRequest:
@@ -32,8 +42,25 @@ class DynamoRequest:
         if not tokens or not all(isinstance(t, int) for t in tokens):
             raise UnsupportedRequest("the request has no prompt token ids")
         routing = body.get("routing") or {}
+        planned = (body.get("extra_args") or {}).get(PLANNED)
+        try:
+            planned = None if planned is None else codec.decode(Planned, planned)
+        except ValueError as exc:
+            raise UnsupportedRequest(f"the front's plan does not read: {exc}") from None
         return cls(tokens, body.get("sampling_options") or {}, body.get("stop_conditions") or {},
-                   body.get("output_options") or {}, routing.get("cache_salt") or "")
+                   body.get("output_options") or {}, routing.get("cache_salt") or "", planned)
+
+    def planned_generation(self, serving: Serving) -> GenerationRequest:
+        """A front's plan on this request's prompt and namespace, within this node's bounds
+        (the front checked its own: a node with a shorter context refuses)."""
+        generation = dataclasses.replace(self.planned.generation,
+                                         prompt_tokens=self.token_ids, namespace=serving.namespace)
+        self._check_tokens(serving.n_vocab)
+        if len(self.token_ids) + generation.max_tokens > serving.seq_len:
+            raise UnsupportedRequest(
+                f"{len(self.token_ids)} prompt and {generation.max_tokens} completion tokens do "
+                f"not fit this node's {serving.seq_len} tokens per request")
+        return generation
 
     def to_generation(self, serving: Serving, stop_tokens: frozenset[int]) -> GenerationRequest:
         """`stop_tokens`: the model's own end-of-generation tokens, where the engine stops."""
@@ -64,8 +91,7 @@ class DynamoRequest:
 
     def _check_supported(self, n_vocab: int, stop_tokens: frozenset[int]) -> None:
         s = self.sampling
-        if any(not 0 <= t < n_vocab for t in self.token_ids):
-            raise UnsupportedRequest(f"a prompt token id is not below the vocabulary's {n_vocab}")
+        self._check_tokens(n_vocab)
         if (s.get("n") or 1) != 1 or (s.get("best_of") or 1) != 1:
             raise UnsupportedRequest("n and best_of above 1 are not supported by a prefixgate "
                                      "node: send one request per choice")
@@ -83,3 +109,21 @@ class DynamoRequest:
             raise UnsupportedRequest(f"stop token ids {sorted(others)} are not the model's "
                                      "end-of-generation tokens, the only ones a prefixgate node "
                                      "stops at")
+
+    def _check_tokens(self, n_vocab: int) -> None:
+        if any(not 0 <= t < n_vocab for t in self.token_ids):
+            raise UnsupportedRequest(f"a prompt token id is not below the vocabulary's {n_vocab}")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What prefixgate's front sends a node besides Dynamo's own fields: the generation as
+    planned (its prompt is the request's `token_ids`, its namespace the cache salt) and its
+    pins, which the node sets on its pool."""
+
+    generation: GenerationRequest
+    pins: tuple[Pin, ...] = ()
+
+    def extra_args(self) -> dict:
+        bare = dataclasses.replace(self.generation, prompt_tokens=[])  # sent once, as token_ids
+        return {PLANNED: codec.encode(dataclasses.replace(self, generation=bare))}

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from gateway.workers.affinity import CacheKeyAffinity
 from gateway.workers.handles import GenerationHandle, deliver_soon
 from gateway.workers.router import Router, WorkerLoad
 from gateway.workers.shared_pool import INDEX_CALLS, SharedPool, TierHits
+
+if TYPE_CHECKING:
+    from gateway.formats.prompts import Pin
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,10 @@ class Workers:
         if self.failure:
             raise RuntimeError(self.failure)
         self._started = True
+        engine = self.config.engine
+        log.info("%d worker(s), each %d parallel sequences in %d KV cells (%s), requests of up "
+                 "to %d tokens", self.config.n_workers, engine.parallel, engine.ctx_size,
+                 "deterministic" if engine.deterministic else "unified", self.seq_len)
         if self.config.step_timeout:
             threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
 
@@ -187,12 +195,14 @@ class Workers:
             return sum(len(w.requests) for w in self._workers)
 
     def submit_group(self, requests: list[GenerationRequest], cache_key: str | None = None,
-                     pool_cached: int | None = None) -> list[GenerationHandle]:
+                     pool_cached: int | None = None, pins: tuple[Pin, ...] = ()
+                     ) -> list[GenerationHandle]:
         """Requests on one prompt (a request's n choices), routed together to one worker, so
         that the prompt is computed once and its cells shared. Requests with the same
         `cache_key` go to the same worker while the imbalance guard allows. `pool_cached`:
         the prompt's tokens in the pool, when the caller read it off the event loop (reading
-        it here takes the cache index's lock)."""
+        it here takes the cache index's lock). `pins` are none of this supervisor's business:
+        its pool is pinned by the caller, and without a pool nothing is (core/engines.py)."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         request = requests[0]

@@ -1,0 +1,60 @@
+"""The engine's request and output dataclasses through JSON (gateway/dynamo/codec.py), as they
+cross Dynamo's request plane between a front and a node: equal after the round trip, and
+anything else refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.messages import GenerationRequest, Output, SamplerSettings, TokenLogprob, Usage
+from gateway.config import SamplingDefaults
+from gateway.core.requests import Serving
+from gateway.dynamo import codec
+from gateway.dynamo.requests import PLANNED, DynamoRequest, Planned, UnsupportedRequest
+from gateway.formats.prompts import Pin
+
+
+def through_json(kind, value):
+    return codec.decode(kind, json.loads(json.dumps(codec.encode(value))))
+
+
+def test_a_plan_comes_through_whole():
+    generation = GenerationRequest(
+        prompt_tokens=[1, 2, 3], max_tokens=7,
+        sampler=SamplerSettings(temperature=0.5, seed=3, grammar='root ::= "a"',
+                                grammar_triggers=("<tool_call>",)),
+        stop=["\n\n"], logit_bias={42: -100.0, 7: 2}, namespace="tenant:a", logprobs=2,
+        shown_tokens=frozenset({5, 9}), prediction=(4, 5), history=(6,))
+    planned = Planned(generation, (Pin(32, 300.0),))
+    assert through_json(Planned, planned) == planned
+
+
+def test_an_output_comes_through_whole():
+    output = Output(text="hé", finish_reason="stop", stop_sequence="\n", generated=(1, 2),
+                    usage=Usage(3, 2, cached_tokens=1), token_ids=(2,), n_generated=2,
+                    logprobs=(TokenLogprob(2, -0.5, ((2, -0.5), (9, -1.25))),))
+    assert through_json(Output, output) == output
+
+
+@pytest.mark.parametrize("value", [{"max_tokens": 1}, {"prompt_tokens": [], "max_tokens": "1"},
+                                   {"prompt_tokens": [], "max_tokens": 1, "evil": 1}])
+def test_anything_else_is_refused(value):
+    with pytest.raises(ValueError):
+        codec.decode(GenerationRequest, value)
+
+
+def test_a_node_runs_the_plan_on_the_request_s_prompt_and_salt():
+    generation = GenerationRequest(prompt_tokens=[9, 9], max_tokens=4, namespace="other")
+    body = {"token_ids": [1, 2, 3], "routing": {"cache_salt": "tenant:a"},
+            "extra_args": json.loads(json.dumps(Planned(generation, (Pin(3, 60.0),))
+                                                .extra_args()))}
+    assert body["extra_args"][PLANNED]["generation"]["prompt_tokens"] == []  # sent once
+    request = DynamoRequest.of(body)
+    assert request.planned.pins == (Pin(3, 60.0),)
+    serving = Serving(8, 100, None, SamplingDefaults(), request.namespace)
+    assert request.planned_generation(serving) == GenerationRequest(
+        prompt_tokens=[1, 2, 3], max_tokens=4, namespace="tenant:a")
+    with pytest.raises(UnsupportedRequest, match="do not fit"):  # a node with less room
+        request.planned_generation(Serving(6, 100, None, SamplingDefaults(), ""))

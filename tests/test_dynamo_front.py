@@ -1,0 +1,199 @@
+"""prefixgate's own front over a Dynamo deployment (`prefixgate --dynamo-front`,
+gateway/dynamo/front.py), with real Dynamo 1.6.1 from PyPI: two prefixgate nodes as separate
+processes, two fronts sharing a real redis-server for their stored responses (with API keys of
+two tenants), and a third front with a rate limit; the openai and anthropic SDKs against the
+fronts. Discovery through Dynamo's file backend, KV events over ZMQ."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from loadtest.gateway_process import GatewayProcess
+from tests.conftest import redis_server
+from tests.dynamo_cluster import Cluster, answered, ask, computed, replay, system_prompt
+from tests.test_errors import CASES, call
+
+KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
+
+
+@dataclass
+class Deployment:
+    cluster: Cluster
+    fronts: list[GatewayProcess]  # two, sharing Redis
+    limited: GatewayProcess  # one request a minute per key
+    model: str
+
+    def openai(self, front: int = 0, tenant: str = "tenant-a") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.fronts[front].base_url + "/v1",
+                             api_key=KEYS[tenant], max_retries=0)
+
+    def node_client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.cluster.nodes[0].base_url + "/v1", api_key="unused",
+                             max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Iterator[Deployment]:
+    tmp: Path = tmp_path_factory.mktemp("dynamo-front")
+    keys = tmp / "keys"
+    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    cluster = Cluster(tmp)
+    try:
+        with redis_server() as (url, _):
+            shared = ("--api-keys-file", str(keys), "--redis-url", url,
+                      "--redis-key", "front-secret")
+            fronts = [cluster.front(*shared) for _ in range(2)]
+            limited = cluster.front("--api-keys-file", str(keys), "--rate-limit-rpm", "1")
+            yield Deployment(cluster, fronts, limited, fronts[0].model_name)
+    finally:
+        cluster.stop()
+
+
+def test_health_lists_the_nodes_and_metrics_count_the_requests(deployment):
+    front = deployment.fronts[0]
+    status, health = front.health()
+    assert status == 200 and health["status"] == "ok"
+    assert len(health["workers"]) == 2  # both nodes, as Dynamo's discovery has them
+    before = answered(front)
+    deployment.openai().completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
+    assert answered(front) == before + 1
+
+
+def test_chat_through_the_front_equals_the_nodes_own_answer(deployment):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    through = deployment.openai().chat.completions.create(
+        model=deployment.model, messages=messages, max_tokens=8, temperature=0)
+    direct = deployment.node_client().chat.completions.create(
+        model=deployment.model, messages=messages, max_tokens=8, temperature=0)
+    assert through.choices[0].message.content == direct.choices[0].message.content
+    assert through.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert through.choices[0].finish_reason == "length"
+    stream = deployment.openai(1).chat.completions.create(
+        model=deployment.model, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        direct.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_whole_and_streamed_with_stops_and_logprobs(deployment):
+    client = deployment.openai()
+    asked = dict(model=deployment.model, prompt="One, two, three, four,", max_tokens=12,
+                 temperature=0, logprobs=2)
+    direct = deployment.node_client().completions.create(**asked)
+    whole = client.completions.create(**asked)
+    assert whole.choices[0].text == direct.choices[0].text
+    assert whole.choices[0].logprobs.tokens == direct.choices[0].logprobs.tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**asked, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].text
+    # A stop string the node's engine cut the text at: the front answers the cut text.
+    stop = whole.choices[0].text.strip()[:2]
+    cut = client.completions.create(**{**asked, "logprobs": None}, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert stop not in cut.choices[0].text
+
+
+def pinned(cluster: Cluster) -> float:
+    return sum(n.metrics().get("prefixgate_prefix_cache_pinned_blocks", 0)
+               for n in cluster.nodes)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_cache_control_pins_the_prefix_on_the_node(deployment, stream):
+    client = anthropic.Anthropic(base_url=deployment.fronts[0].base_url, api_key=KEYS["tenant-a"],
+                                 max_retries=0)
+    system = [{"type": "text", "text": system_prompt(f"pinned topic {stream}"),
+               "cache_control": {"type": "ephemeral"}}]
+    asked = dict(model=deployment.model, max_tokens=4, system=system,
+                 messages=[{"role": "user", "content": "Hello?"}])
+    before = pinned(deployment.cluster)
+    if stream:
+        with client.messages.stream(**asked) as events:
+            first = events.get_final_message()
+    else:
+        first = client.messages.create(**asked)
+    assert first.usage.cache_creation_input_tokens > 300
+    # The breakpoint crossed to the node that ran it, which pinned the system prompt's blocks.
+    assert pinned(deployment.cluster) >= before + 300 // 16
+    again = client.messages.create(**asked)
+    assert again.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens - 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_stored_through_one_front_continues_through_the_other(deployment, stream):
+    first = deployment.openai(0).responses.create(
+        model=deployment.model, max_output_tokens=6, temperature=0,
+        input=f"My name is Ada and I keep bees ({stream}). " * 8)
+    other = deployment.openai(1)
+    for _ in range(100):  # until the first front's writer has put it in Redis
+        try:
+            other.responses.retrieve(first.id)
+            break
+        except openai.NotFoundError:
+            time.sleep(0.1)
+    asked = dict(model=deployment.model, max_output_tokens=6, temperature=0,
+                 previous_response_id=first.id, input="What is my name?")
+    if stream:
+        events = list(other.responses.create(**asked, stream=True))
+        second = events[-1].response
+    else:
+        second = other.responses.create(**asked)
+    assert second.previous_response_id == first.id
+    assert second.status in ("completed", "incomplete")
+    # The whole first turn came along, and the router sent it to the node that held it.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+
+
+def test_the_same_prefix_twice_lands_on_the_node_holding_it(deployment):
+    first, second, prompt_tokens = replay(deployment.cluster, deployment.openai(),
+                                          deployment.model, ["geology", "knitting", "opera"])
+    assert sum(first) > 3 * 300  # each prompt computed once, somewhere
+    assert sum(second) < 0.15 * prompt_tokens, (first, second)
+
+
+def test_one_tenants_prefix_is_no_hit_for_another(deployment):
+    system = system_prompt("tenancy")
+    owner = ask(deployment.openai(tenant="tenant-a"), deployment.model, system)
+    again = ask(deployment.openai(tenant="tenant-a"), deployment.model, system)
+    assert again.usage.prompt_tokens_details.cached_tokens > 300
+    before = sum(computed(n) for n in deployment.cluster.nodes)
+    stranger = ask(deployment.openai(tenant="tenant-b"), deployment.model, system)
+    assert stranger.usage.prompt_tokens_details.cached_tokens == 0
+    assert sum(computed(n) for n in deployment.cluster.nodes) - before == \
+        stranger.usage.prompt_tokens == owner.usage.prompt_tokens
+
+
+def test_the_rate_limit_holds_at_the_front(deployment):
+    client = openai.OpenAI(base_url=deployment.limited.base_url + "/v1", api_key=KEYS["tenant-b"],
+                           max_retries=0)
+    client.completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
+
+
+def test_a_request_without_a_key_is_refused(deployment):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=deployment.fronts[0].base_url + "/v1", api_key="nobody",
+                      max_retries=0).models.list()
+
+
+@pytest.mark.parametrize("path,body,status,param,code", CASES)
+def test_bad_input_gets_the_4xx_of_a_single_gateway(deployment, path, body, status, param, code):
+    if isinstance(body, dict):
+        body = json.loads(json.dumps(body).replace("{model}", deployment.model))
+    single = call(deployment.cluster.nodes[0], path, body)
+    front = call(deployment.fronts[0], path, body,
+                 headers={"Authorization": f"Bearer {KEYS['tenant-a']}"})
+    assert front == single
+    assert front[0] == status
