@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway.anthropic import routes as anthropic_routes
 from gateway.core.service import HISTORY_STEP, Gateway, ServerConfig
-from gateway.dynamo.front import DynamoFront
+from gateway.dynamo.front import DynamoFront, NodesCollector
 from gateway.dynamo.node import DynamoNode, NodeError
 from gateway.dynamo.settings import DynamoSettings
 from gateway.edge import cors
@@ -142,7 +142,10 @@ async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
                 front: DynamoSettings | None = None) -> None:
     """`dynamo`: also serve as a Dynamo worker (gateway/dynamo/node.py); `front`: serve with no
     engine of its own, in front of the Dynamo nodes there (gateway/dynamo/front.py)."""
-    gateway = Gateway(config, DynamoFront(front, config.model_name) if front else None)
+    engines = DynamoFront(front, config.model_name) if front else None
+    gateway = Gateway(config, engines)
+    if engines is not None:
+        gateway.metrics.registry.register(NodesCollector(engines))
     if config.keys is None:
         log.warning("no API keys configured (--api-keys-file, PREFIXGATE_API_KEYS): anyone who "
                     "can reach %s:%d may use it, and every request shares one cache namespace",

@@ -62,6 +62,7 @@ def test_health_lists_the_nodes_and_metrics_count_the_requests(deployment):
     status, health = front.health()
     assert status == 200 and health["status"] == "ok"
     assert len(health["workers"]) == 2  # both nodes, as Dynamo's discovery has them
+    assert front.metrics()["prefixgate_dynamo_nodes"] == 2
     before = answered(front)
     deployment.openai().completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
     assert answered(front) == before + 1
@@ -101,6 +102,53 @@ def test_completions_whole_and_streamed_with_stops_and_logprobs(deployment):
     cut = client.completions.create(**{**asked, "logprobs": None}, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert stop not in cut.choices[0].text
+
+
+def test_a_grammar_and_n_choices_cross_to_the_node(deployment):
+    """response_format's grammar is built by the front and runs on the node; each of n choices
+    is a request of its own there."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    asked = dict(model=deployment.model, max_tokens=24, temperature=0, n=2,
+                 messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                 response_format={"type": "json_schema",
+                                  "json_schema": {"name": "answer", "schema": schema}})
+    through = deployment.openai().chat.completions.create(**asked)
+    direct = deployment.node_client().chat.completions.create(**asked)
+    assert [c.message.content for c in through.choices] == \
+        [c.message.content for c in direct.choices]
+    assert [c.finish_reason for c in through.choices] == ["stop", "stop"]
+    assert json.loads(through.choices[1].message.content)["ok"] in (True, False)
+
+
+def test_dynamos_own_frontend_serves_the_same_nodes_beside_the_fronts(deployment):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    frontend = deployment.cluster.frontend("kv").chat.completions.create(
+        model=deployment.model, messages=messages, max_tokens=6, temperature=0)
+    front = deployment.openai().chat.completions.create(
+        model=deployment.model, messages=messages, max_tokens=6, temperature=0)
+    assert frontend.choices[0].message.content == front.choices[0].message.content
+
+
+def running(cluster: Cluster) -> float:
+    return sum(n.metrics().get("prefixgate_num_requests_running", 0) for n in cluster.nodes)
+
+
+def test_an_abandoned_stream_is_dropped_on_the_node(deployment):
+    cluster, front = deployment.cluster, deployment.fronts[0]
+    finished = [answered(n) for n in cluster.nodes]
+    stream = deployment.openai().chat.completions.create(
+        model=deployment.model, max_tokens=2000, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "Count to a million, one number a line."}])
+    next(stream), next(stream)
+    stream.close()
+    for _ in range(300):  # until the front and the nodes have let it go
+        if not front.metrics()["prefixgate_dynamo_requests_in_flight"] and not running(cluster):
+            break
+        time.sleep(0.1)
+    assert front.metrics()["prefixgate_dynamo_requests_in_flight"] == 0
+    assert running(cluster) == 0
+    assert [answered(n) for n in cluster.nodes] == finished  # cut, never run to its end
 
 
 def pinned(cluster: Cluster) -> float:

@@ -19,6 +19,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output
 from gateway.dynamo import codec
@@ -172,3 +174,18 @@ def _unreachable(exc: Exception) -> bool:
 
     return isinstance(exc, (CannotConnect, ConnectionTimeout, Disconnected, EngineShutdown,
                             StreamIncomplete, WorkerUnavailable))
+
+
+class NodesCollector(Collector):
+    """A front's /metrics: the nodes Dynamo's discovery holds, and its requests in flight."""
+
+    def __init__(self, front: DynamoFront) -> None:
+        self._front = front
+
+    def collect(self):
+        yield GaugeMetricFamily("prefixgate_dynamo_nodes",
+                                "prefixgate nodes registered in Dynamo's discovery",
+                                value=len(self._front.states()))
+        yield GaugeMetricFamily("prefixgate_dynamo_requests_in_flight",
+                                "Requests this front has on the nodes",
+                                value=self._front.n_in_flight)
