@@ -1,8 +1,9 @@
 """prefixgate's own front over a Dynamo deployment (`prefixgate --dynamo-front`,
 gateway/dynamo/front.py), with real Dynamo 1.6.1 from PyPI: two prefixgate nodes as separate
 processes, two fronts sharing a real redis-server for their stored responses (with API keys of
-two tenants), and a third front with a rate limit; the openai and anthropic SDKs against the
-fronts. Discovery through Dynamo's file backend, KV events over ZMQ."""
+two tenants), a third front with a rate limit and a fourth, greedy, for Claude Code and Codex;
+the openai and anthropic SDKs and the agents themselves against the fronts. Discovery through
+Dynamo's file backend, KV events over ZMQ."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import redis_server
 from tests.dynamo_cluster import Cluster, answered, ask, computed, replay, system_prompt
+from tests.test_claude_code import claude
+from tests.test_codex import answer, codex, codex_home, usage
 from tests.test_errors import CASES, call
 
 KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
@@ -245,3 +248,30 @@ def test_bad_input_gets_the_4xx_of_a_single_gateway(deployment, path, body, stat
                  headers={"Authorization": f"Bearer {KEYS['tenant-a']}"})
     assert front == single
     assert front[0] == status
+
+
+@pytest.fixture(scope="module")
+def agents_front(deployment) -> GatewayProcess:
+    """Open (the agents' own tests run without keys), greedy, Claude Code's model names."""
+    return deployment.cluster.front("--temperature", "0", "--model-alias", "claude-*")
+
+
+@pytest.mark.timeout(900)  # two runs of Claude Code; a busy machine makes each slow
+def test_claude_code_through_the_front(agents_front, tmp_path):
+    first = claude(agents_front, tmp_path / "one", "What is the capital of France?")
+    assert "paris" in first["result"].lower()
+    assert first["usage"]["cache_creation_input_tokens"] > 800  # its breakpoints, on the node
+    other = claude(agents_front, tmp_path / "two", "What is 2+2?")
+    assert "4" in other["result"]
+    # Another conversation: routed to the node holding the system prompt, read from its pool.
+    assert other["usage"]["cache_read_input_tokens"] >= 768
+
+
+@pytest.mark.timeout(900)  # two runs of Codex
+def test_codex_through_the_front(agents_front, tmp_path):
+    one = codex(codex_home(agents_front, tmp_path / "one"), tmp_path / "work",
+                "What is the capital of France?")
+    assert "paris" in answer(one).lower()
+    two = codex(codex_home(agents_front, tmp_path / "two"), tmp_path / "work", "What is 2+2?")
+    assert "4" in answer(two)
+    assert usage(two)["cached_input_tokens"] >= 768  # the instructions, from the node's pool
