@@ -74,11 +74,13 @@ $(AGENTS)/.installed: Makefile
 	touch $@
 
 # What the tests run besides Python: a real redis-server, docker-compose to validate
-# compose.yaml, headless Chromium with its driver for the cache page, and Prometheus (with
-# promtool) to scrape a gateway for the dashboard's queries and check the config. Installed
+# compose.yaml, headless Chromium with its driver for the cache page, Prometheus (with
+# promtool) to scrape a gateway for the dashboard's queries and check the config, etcd for
+# Dynamo's discovery, and iproute2's `ip` for the Dynamo nodes' network namespaces. Installed
 # with apt when missing (as root, on Debian or Ubuntu): command -> the package that provides it.
 SYSTEM_DEPS := redis-server:redis-server docker-compose:docker-compose chromium:chromium \
-	chromedriver:chromium-driver prometheus:prometheus promtool:prometheus
+	chromedriver:chromium-driver prometheus:prometheus promtool:prometheus etcd:etcd-server \
+	ip:iproute2
 # $(call apt_missing,PAIRS): installs the packages of the command:package pairs whose command
 # is missing.
 apt_missing = @missing=""; for pair in $(1); do command -v $${pair%%:*} >/dev/null || \

@@ -36,13 +36,14 @@ def scrape(base_url: str, metrics_key: str | None = None) -> list[Sample]:
 
 
 class ServerProcess:
-    """A server started as a subprocess on a free loopback port, stopped with SIGTERM."""
+    """A server started as a subprocess on a free loopback port, stopped with SIGTERM.
+    `host`: the address it is reached at, when it listens elsewhere (a network namespace)."""
 
     def __init__(self, command: list[str], health_path: str, log_path: Path,
                  cwd: Path = ROOT, env: dict[str, str] | None = None,
-                 health_timeout: float = 180) -> None:
+                 health_timeout: float = 180, host: str = "127.0.0.1") -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
         self.log_path = log_path
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
@@ -80,11 +81,13 @@ class GatewayProcess(ServerProcess):
 
     def __init__(self, model_path: Path, *args: str, source: Path = ROOT,
                  env: dict[str, str] | None = None, module: str = "gateway",
-                 health_timeout: float = 180) -> None:
+                 health_timeout: float = 180, host: str = "127.0.0.1",
+                 launcher: tuple[str, ...] = ()) -> None:
         """`source`: the checkout whose gateway runs (another one for before/after figures);
         `env`: variables to add to this process's environment; `module`: the entry point
         (the tests' own, tests.replay_gateway or tests.clocked_gateway, for their hooks);
-        `health_timeout`: how long it may take to serve (a software GPU compiles shaders)."""
+        `health_timeout`: how long it may take to serve (a software GPU compiles shaders);
+        `host`: the address it listens on; `launcher`: what runs it (`ip netns exec NS`)."""
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None
@@ -92,10 +95,10 @@ class GatewayProcess(ServerProcess):
         if "--debug-key" not in args:
             args = (*args, "--debug-key", secrets.token_hex(16))
         self.debug_key = args[args.index("--debug-key") + 1]
-        super().__init__([sys.executable, "-m", module, "--model", str(model_path),
-                          "--port", "{port}", *args], "/health",
+        super().__init__([*launcher, sys.executable, "-m", module, "--model", str(model_path),
+                          "--host", host, "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
-                         cwd=source, env=env, health_timeout=health_timeout)
+                         cwd=source, env=env, health_timeout=health_timeout, host=host)
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for unlabelled samples."""

@@ -1,6 +1,7 @@
 """prefixgate nodes as Dynamo workers, for the tests: two nodes as separate processes (each
 its own pool, one thread), over Dynamo's file discovery and ZMQ events, with Dynamo's own
-frontend or prefixgate fronts in front of them, and what each node computed."""
+frontend or prefixgate fronts in front of them, and what each node computed. Each node counts as
+started once its /health says it has registered with Dynamo."""
 
 from __future__ import annotations
 
@@ -21,18 +22,39 @@ ENDPOINT = "dynamo.prefixgate.generate"
 BLOCK = 16
 
 
+def registered(node: GatewayProcess, timeout: float = 180) -> GatewayProcess:
+    """Waits until the node's /health says it has joined Dynamo."""
+    deadline = time.monotonic() + timeout
+    while not node.health()[1]["dynamo"]["registered"]:
+        assert node.proc.poll() is None, f"the node exited: {node.proc.returncode}"
+        assert time.monotonic() < deadline, "the node never registered with Dynamo"
+        time.sleep(0.2)
+    return node
+
+
+def instance(node: GatewayProcess) -> int:
+    """The node's Dynamo instance id (the worker id Dynamo's router names)."""
+    return int(node.health()[1]["dynamo"]["instance"], 16)
+
+
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
-        self.env = {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp / "discovery"),
+    """`discovery`: Dynamo's discovery settings (default: its file backend under `tmp`)."""
+
+    def __init__(self, tmp: Path, discovery: dict[str, str] | None = None) -> None:
+        self.env = {**(discovery or {"DYN_DISCOVERY_BACKEND": "file",
+                                     "DYN_FILE_KV": str(tmp / "discovery")}),
                     "DYN_REQUEST_PLANE": "tcp", "HOME": str(tmp)}  # the frontend's cache
         self.model_dir = tmp / "models"
-        self.nodes = [self.node() for _ in range(2)]
+        self.nodes: list[GatewayProcess] = []
+        for _ in range(2):  # one after the other: a node may read how many came before
+            self.nodes.append(self.node())
         self.frontends: dict[str, ServerProcess] = {}
         self.fronts: list[GatewayProcess] = []
 
-    def node(self) -> GatewayProcess:
-        return GatewayProcess(default_model_path(), *NODE_ARGS, "--dynamo-model-dir",
-                              str(self.model_dir), env=self.env)
+    def node(self, *args: str, env: dict[str, str] | None = None) -> GatewayProcess:
+        return registered(GatewayProcess(default_model_path(), *NODE_ARGS, *args,
+                                         "--dynamo-model-dir", str(self.model_dir),
+                                         env={**self.env, **(env or {})}))
 
     def frontend(self, mode: str) -> openai.OpenAI:
         if mode not in self.frontends:

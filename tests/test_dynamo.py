@@ -2,7 +2,8 @@
 nodes as separate processes (each its own pool, one thread), Dynamo's own frontend in front of
 them (`python -m dynamo.frontend`, with the KV router and with round-robin), the openai SDK
 against the frontend, and Dynamo's own Python KvRouter reading the nodes' KV events. Discovery
-through Dynamo's file backend, events over ZMQ."""
+through Dynamo's file backend, events over ZMQ (tests/test_dynamo_etcd.py: through a real etcd;
+tests/test_dynamo_netns.py: each node in a network namespace of its own)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,12 @@ class Router:
         from dynamo.llm import KvRouter, KvRouterConfig
         from dynamo.runtime import DistributedRuntime
 
-        os.environ["DYN_FILE_KV"] = cluster.env["DYN_FILE_KV"]
+        for name in ("DYN_FILE_KV", "ETCD_ENDPOINTS"):  # where the runtime finds the nodes
+            if name in cluster.env:
+                os.environ[name] = cluster.env[name]
         self.model = model
-        self.runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        self.runtime = DistributedRuntime(asyncio.get_running_loop(),
+                                          cluster.env["DYN_DISCOVERY_BACKEND"], "tcp")
         self.router = KvRouter(self.runtime.endpoint(ENDPOINT), BLOCK, KvRouterConfig())
 
     async def store(self, tokens: list[int], namespace: str | None = None) -> None:

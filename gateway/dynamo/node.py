@@ -33,6 +33,14 @@ class DynamoNode:
         self.settings = settings
         self._runtime = None
         self._tasks: list[asyncio.Future] = []
+        self.instance: int | None = None  # Dynamo's id of this node while it is registered
+
+    def status(self) -> dict:
+        """What /health says of the node in Dynamo: registered (the frontend may route here)
+        and as which instance, the id Dynamo's router and discovery name it by."""
+        if self.instance is None:
+            return {"registered": False}
+        return {"registered": True, "instance": f"{self.instance:x}"}
 
     async def start(self) -> None:
         """Registers the model and serves the endpoint; a NodeError when it cannot."""
@@ -85,8 +93,10 @@ class DynamoNode:
                              worker_type=WorkerType.Aggregated,
                              kv_cache_block_size=header.block_size,
                              runtime_config=runtime_config)
-        log.info("serving %r on Dynamo at %s: blocks of %d tokens, %d of them", config.model_name,
-                 self.settings.endpoint, header.block_size, header.n_slots)
+        self.instance = endpoint.connection_id()
+        log.info("serving %r on Dynamo at %s as instance %x: blocks of %d tokens, %d of them",
+                 config.model_name, self.settings.endpoint, self.instance, header.block_size,
+                 header.n_slots)
 
     async def _publish_load(self, publisher, block_size: int) -> None:
         """What the router adds to a node's cost: the KV blocks its running sequences hold,
@@ -102,6 +112,7 @@ class DynamoNode:
     async def stop(self, drain_seconds: float) -> None:
         """Deregisters (the frontend stops routing here at once, not at etcd's lease end),
         then lets the requests in flight finish within `drain_seconds`."""
+        self.instance = None
         if self._runtime is not None:
             self._runtime.shutdown()
         if self._tasks:
