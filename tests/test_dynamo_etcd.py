@@ -1,16 +1,22 @@
 """prefixgate nodes found through a real etcd (Debian's etcd-server, on a free loopback port with
-its own data directory) by Dynamo's own frontend with the KV router; a node stopped with SIGTERM
-leaves etcd before it exits."""
+its own data directory) by Dynamo's own frontend with the KV router, and the faults of a node
+(issue 52, step 4): stopped with SIGTERM it leaves etcd before it exits; killed with SIGKILL its
+streams end with an error at once, its registration leaves with its short lease and the frontend
+then routes everything to the others; restarted, the router holds none of the old instance's
+blocks; busy with long streams, it holds up no other node's requests."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
+from gateway.dynamo.node import LEASE_SECONDS
 from gateway.workers.model_store import default_model_path
 from tests.dynamo_cluster import (
     Cluster,
@@ -22,6 +28,7 @@ from tests.dynamo_cluster import (
     system_prompt,
 )
 from tests.etcd_server import Etcd
+from tests.test_dynamo import Router, random_prompt, with_router
 
 MODEL = default_model_path().stem
 INSTANCES = "v1/instances/dynamo/prefixgate/generate/"  # the etcd keys of the endpoint's nodes
@@ -64,6 +71,8 @@ def holder(cluster: Cluster, client: openai.OpenAI, system: str) -> int:
 
 def test_the_nodes_are_found_through_etcd_and_routed_to_by_prefix(cluster, etcd):
     assert listed(etcd) == {instance(n) for n in cluster.nodes}
+    # Each node's registration lives on a lease as short as the node asks for.
+    assert set(etcd.lease_ttls()) >= {LEASE_SECONDS}
     first, second, prompt_tokens = replay(cluster, cluster.frontend("kv"), MODEL,
                                           ["geology", "knitting"])
     assert sum(first) > 2 * 300
@@ -87,3 +96,96 @@ def test_a_node_stopped_with_sigterm_leaves_etcd_before_it_exits(cluster, etcd):
         assert sum(answered(n) for n in cluster.nodes) == before + 4
     finally:
         node.stop()
+
+
+def test_a_killed_node_ends_its_streams_and_leaves_the_routing(cluster, etcd):
+    client = cluster.frontend("kv")
+    system = system_prompt("volcanoes")
+    victim = holder(cluster, client, system)
+    dead, survivor = cluster.nodes[victim], cluster.nodes[1 - victim]
+    ended: list[BaseException | None] = []
+    streaming = threading.Event()
+
+    def long_stream() -> None:  # on the victim: the KV router sends the prefix to its holder
+        try:
+            stream = client.chat.completions.create(
+                model=MODEL, max_tokens=2000, temperature=0, stream=True, timeout=600,
+                extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": "Tell a long story."}])
+            for _ in stream:
+                streaming.set()
+            ended.append(None)
+        except Exception as exc:  # noqa: BLE001 - what the client heard is the assertion
+            ended.append(exc)
+        streaming.set()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert streaming.wait(300)
+    assert dead.metrics()["prefixgate_num_requests_running"] == 1, "routed elsewhere"
+    survivor_id = instance(survivor)
+    dead.proc.send_signal(signal.SIGKILL)
+    dead.proc.wait()
+    thread.join(300)
+    assert not thread.is_alive(), "a stream on the killed node hangs"
+    assert isinstance(ended[0], openai.APIError), ended  # an error, not a clean finish
+    # Its lease runs out: etcd stops listing it, and then the frontend sends everything,
+    # the killed node's prefix included, to the survivor.
+    wait_for(lambda: listed(etcd) == {survivor_id}, "etcd drops the killed node")
+    before = answered(survivor)
+    for i in range(4):
+        ask(client, MODEL, system, f"Question {i}?")
+    assert answered(survivor) == before + 4
+    cluster.nodes[victim] = cluster.node()
+
+
+def test_a_node_restarted_after_a_kill_has_no_blocks_in_the_router(cluster, etcd):
+    tokens = random_prompt(11)
+
+    async def scenario(router: Router) -> None:
+        await router.store(tokens)
+        worker, _, found = await router.router.best_worker(tokens)
+        assert found > 0
+        victim = next(i for i, n in enumerate(cluster.nodes) if instance(n) == worker)
+        cluster.nodes[victim].proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(cluster.nodes[victim].proc.wait)
+        cluster.nodes[victim] = await asyncio.to_thread(cluster.node)
+        await asyncio.to_thread(wait_for, lambda: worker not in listed(etcd),
+                                "etcd drops the killed node")
+        # The old instance's blocks left the router with it; the new instance starts empty.
+        assert await router.overlap(tokens, until=False) == 0
+        chosen, _, _ = await router.router.best_worker(tokens)
+        assert chosen != worker
+
+    with_router(cluster, MODEL, scenario)
+
+
+def test_a_busy_node_does_not_hold_up_the_others(cluster):
+    client = cluster.frontend("kv")
+    system = system_prompt("lighthouses")
+    quick = cluster.nodes[holder(cluster, client, system)]
+    busy = next(n for n in cluster.nodes if n is not quick)
+    direct = openai.OpenAI(base_url=busy.base_url + "/v1", api_key="unused", max_retries=0)
+    done: list[str] = []
+
+    def long_stream() -> None:  # fills the busy node's two sequences for a long while
+        direct.chat.completions.create(
+            model=MODEL, max_tokens=400, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Tell a long story."}], timeout=600)
+        done.append("long")
+
+    threads = [threading.Thread(target=long_stream) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: busy.metrics()["prefixgate_num_requests_running"] == 2,
+             "the busy node runs both long streams")
+    before = answered(quick)
+    for i in range(3):
+        ask(client, MODEL, system, f"Question {i}?")
+        done.append("quick")
+    for thread in threads:
+        thread.join(600)
+    # The quick node answered all three while the busy node was still on its streams.
+    assert done[:3] == ["quick"] * 3, done
+    assert answered(quick) == before + 3

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 
 from gateway.core.service import Gateway
 from gateway.dynamo.assets import ModelFacts, model_directory
@@ -21,6 +22,11 @@ from gateway.dynamo.settings import DynamoSettings, distributed_runtime
 log = logging.getLogger(__name__)
 
 LOAD_SECONDS = 1.0  # how often the load goes to the router
+# The etcd lease the node's registration lives on (Dynamo's ETCD_LEASE_TTL; its own default is
+# 30 s). A node killed without deregistering stays in discovery, and the frontend keeps sending
+# it some requests (503s), until its lease runs out: 5 s bounds that. The runtime renews the
+# lease from its own threads; busy nodes stayed registered at 5 s through the tests.
+LEASE_SECONDS = 5
 
 
 class NodeError(RuntimeError):
@@ -70,6 +76,7 @@ class DynamoNode:
                                                 facts, self.settings.model_dir)
         except VocabularyError as exc:
             raise NodeError(str(exc)) from None
+        os.environ.setdefault("ETCD_LEASE_TTL", str(LEASE_SECONDS))  # the user's setting wins
         runtime = self._runtime = distributed_runtime(asyncio.get_running_loop())
         endpoint = runtime.endpoint(self.settings.endpoint)
         # The local indexer lets a router that starts later ask this node for its blocks.
