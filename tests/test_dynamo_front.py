@@ -8,7 +8,12 @@ Dynamo's file backend, KV events over ZMQ."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +22,7 @@ import anthropic
 import openai
 import pytest
 
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import ROOT, GatewayProcess, free_port
 from tests.conftest import redis_server
 from tests.dynamo_cluster import Cluster, answered, ask, computed, replay, system_prompt
 from tests.test_claude_code import claude
@@ -275,3 +280,29 @@ def test_codex_through_the_front(agents_front, tmp_path):
     two = codex(codex_home(agents_front, tmp_path / "two"), tmp_path / "work", "What is 2+2?")
     assert "4" in answer(two)
     assert usage(two)["cached_input_tokens"] >= 768  # the instructions, from the node's pool
+
+
+def test_a_front_without_nodes_is_loading_and_stops_on_sigterm(tmp_path):
+    """Before any node registers, /health says loading (503); SIGTERM then ends the wait."""
+    port = free_port()
+    env = {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path),
+           "DYN_REQUEST_PLANE": "tcp", "HOME": str(tmp_path)}
+    with open(tmp_path / "front.log", "w") as log:
+        front = subprocess.Popen([sys.executable, "-m", "gateway", "--dynamo-front", "--port",
+                                  str(port)], cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        for _ in range(600):  # until it listens
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                pytest.fail("a front with no node answered /health with a 200")
+            except urllib.error.HTTPError as exc:
+                assert (exc.code, json.loads(exc.read())) == (503, {"status": "loading"})
+                break
+            except urllib.error.URLError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the front never listened")
+        front.terminate()
+        assert front.wait(timeout=60) == 0
+    finally:
+        front.kill()

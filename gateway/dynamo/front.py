@@ -69,6 +69,9 @@ class DynamoFront:
         cards.start_tracking()
         log.info("waiting for a prefixgate node at %s in Dynamo", self.settings.endpoint)
         while not (found := cards.get_model_cards()):
+            if self._draining:  # stopped while waiting: the server's shutdown waits for this
+                cards.shutdown()
+                raise EngineUnavailable("stopped before a prefixgate node registered")
             await asyncio.sleep(CARD_POLL_SECONDS)
         cards.shutdown()
         card = json.loads(next(iter(found.values())))
