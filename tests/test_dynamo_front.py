@@ -24,9 +24,18 @@ import pytest
 
 from loadtest.gateway_process import ROOT, GatewayProcess, free_port
 from tests.conftest import redis_server
-from tests.dynamo_cluster import Cluster, answered, ask, computed, replay, system_prompt
+from tests.dynamo_cluster import (
+    BLOCK,
+    Cluster,
+    answered,
+    ask,
+    computed,
+    replay,
+    system_prompt,
+)
 from tests.test_claude_code import claude
 from tests.test_codex import answer, codex, codex_home, usage
+from tests.test_dynamo import Router, random_prompt, with_router
 from tests.test_errors import CASES, call
 
 KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
@@ -228,6 +237,22 @@ def test_one_tenants_prefix_is_no_hit_for_another(deployment):
     assert stranger.usage.prompt_tokens_details.cached_tokens == 0
     assert sum(computed(n) for n in deployment.cluster.nodes) - before == \
         stranger.usage.prompt_tokens == owner.usage.prompt_tokens
+
+
+def test_the_kv_router_scores_a_tenants_blocks_for_that_tenant_only(deployment):
+    """The front's requests carry the tenant's namespace as Dynamo's cache salt: the router
+    finds tenant A's prompt under A's namespace alone."""
+    tokens = random_prompt(52)
+    deployment.openai(tenant="tenant-a").completions.create(
+        model=deployment.model, prompt=tokens, max_tokens=1)
+
+    async def scenario(router: Router) -> None:
+        assert await router.overlap(tokens, "tenant:tenant-a", until=True) >= \
+            len(tokens) // BLOCK - 1
+        assert await router.overlap(tokens, "tenant:tenant-b") == 0
+        assert await router.overlap(tokens) == 0
+
+    with_router(deployment.cluster, deployment.model, scenario)
 
 
 def test_the_rate_limit_holds_at_the_front(deployment):
