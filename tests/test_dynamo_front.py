@@ -138,6 +138,20 @@ def test_a_grammar_and_n_choices_cross_to_the_node(deployment):
     assert json.loads(through.choices[1].message.content)["ok"] in (True, False)
 
 
+def test_n_choices_go_to_one_node_and_share_their_prompt(deployment):
+    """As on a single gateway, a request's choices run on one node, beside each other: its
+    prompt is computed once."""
+    before = [computed(n) for n in deployment.cluster.nodes]
+    answer = deployment.openai().chat.completions.create(
+        model=deployment.model, n=3, max_tokens=4, temperature=1, seed=5,
+        messages=[{"role": "system", "content": system_prompt("choices")},
+                  {"role": "user", "content": "Hello?"}])
+    spent = [computed(n) - b for n, b in zip(deployment.cluster.nodes, before, strict=True)]
+    assert len(answer.choices) == 3
+    assert sorted(spent)[0] == 0, spent  # one node ran them all
+    assert sum(spent) < 1.5 * answer.usage.prompt_tokens, spent
+
+
 def test_dynamos_own_frontend_serves_the_same_nodes_beside_the_fronts(deployment):
     messages = [{"role": "user", "content": "Name a fruit."}]
     frontend = deployment.cluster.frontend("kv").chat.completions.create(

@@ -86,36 +86,49 @@ class DynamoFront:
     def submit_group(self, requests: list[GenerationRequest], cache_key: str | None = None,
                      pool_cached: int | None = None, pins: tuple[Pin, ...] = ()
                      ) -> list[GenerationHandle]:
-        """Each choice is a request of its own to the router (which sends choices on one
-        prompt to the node that holds it). `cache_key` and `pool_cached` are the local
+        """Each choice is a request of its own. A request's choices all go to the node the
+        router picks for the first, where they run beside each other and compute their prompt
+        once, as a local worker's group does. `cache_key` and `pool_cached` are the local
         router's: Dynamo's routes by the prompt's blocks."""
         if self._draining:
             raise EngineUnavailable("the server is shutting down")
         if not self._nodes.instance_ids():
             raise EngineUnavailable("no prefixgate node is registered in Dynamo")
-        return [self._submit(request, pins) for request in requests]
+        node = self._loop.create_task(self._best_node(requests[0])) if len(requests) > 1 \
+            else None
+        return [self._submit(request, pins, node) for request in requests]
 
-    def _submit(self, generation: GenerationRequest, pins: tuple[Pin, ...]
-                ) -> GenerationHandle:
+    async def _best_node(self, generation: GenerationRequest) -> int:
+        node, _, _ = await self._router.best_worker(
+            generation.prompt_tokens, cache_namespace=generation.namespace or None)
+        return node
+
+    def _submit(self, generation: GenerationRequest, pins: tuple[Pin, ...],
+                node: asyncio.Task | None) -> GenerationHandle:
         task: asyncio.Task | None = None
         # Cancelling the stream drops the request on the node (Dynamo stops its context).
         handle = GenerationHandle(self._loop, on_cancel=lambda: task.cancel())
-        task = self._loop.create_task(self._stream(handle, generation, pins))
+        task = self._loop.create_task(self._stream(handle, generation, pins, node))
         return handle
 
     async def _stream(self, handle: GenerationHandle, generation: GenerationRequest,
-                      pins: tuple[Pin, ...]) -> None:
-        request = {
-            "model": self.model_name, "token_ids": generation.prompt_tokens,
-            # Dynamo's fields are what its router reads (the load a request adds); the node
-            # runs the plan in extra_args.
-            "stop_conditions": {"max_tokens": generation.max_tokens}, "sampling_options": {},
-            "output_options": {}, "eos_token_ids": [],
-            "routing": {"cache_salt": generation.namespace} if generation.namespace else {},
-            "extra_args": Planned(generation, pins).extra_args(),
-        }
+                      pins: tuple[Pin, ...], node: asyncio.Task | None) -> None:
+        """`node`: the node the request must go to (its group's), once known; None: the
+        router picks."""
         self.n_in_flight += 1
         try:
+            routing: dict[str, Any] = {"cache_salt": generation.namespace} \
+                if generation.namespace else {}
+            if node is not None:  # shielded: one choice cancelled must not cancel its group's
+                routing["backend_instance_id"] = await asyncio.shield(node)
+            request = {
+                "model": self.model_name, "token_ids": generation.prompt_tokens,
+                # Dynamo's fields are what its router reads (the load a request adds); the
+                # node runs the plan in extra_args.
+                "stop_conditions": {"max_tokens": generation.max_tokens},
+                "sampling_options": {}, "output_options": {}, "eos_token_ids": [],
+                "routing": routing, "extra_args": Planned(generation, pins).extra_args(),
+            }
             async for chunk in await self._router.generate_from_request(request):
                 output = codec.decode(Output, chunk["extra_args"][PLANNED])
                 handle.put(output)
