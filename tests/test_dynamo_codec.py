@@ -56,5 +56,10 @@ def test_a_node_runs_the_plan_on_the_request_s_prompt_and_salt():
     serving = Serving(8, 100, None, SamplingDefaults(), request.namespace)
     assert request.planned_generation(serving) == GenerationRequest(
         prompt_tokens=[1, 2, 3], max_tokens=4, namespace="tenant:a")
-    with pytest.raises(UnsupportedRequest, match="do not fit"):  # a node with less room
-        request.planned_generation(Serving(6, 100, None, SamplingDefaults(), ""))
+    # A node with less room: fewer completion tokens, as any request gets; none, refused.
+    assert request.planned_generation(Serving(5, 100, None, SamplingDefaults(), "")
+                                      ).max_tokens == 2
+    with pytest.raises(UnsupportedRequest, match="maximum context length is 3"):
+        request.planned_generation(Serving(3, 100, None, SamplingDefaults(), ""))
+    with pytest.raises(UnsupportedRequest, match="max_tokens is too large"):  # --max-tokens
+        request.planned_generation(Serving(8, 100, 2, SamplingDefaults(), ""))

@@ -52,26 +52,18 @@ class DynamoRequest:
 
     def planned_generation(self, serving: Serving) -> GenerationRequest:
         """A front's plan on this request's prompt and namespace, within this node's bounds
-        (the front checked its own: a node with a shorter context refuses)."""
-        generation = dataclasses.replace(self.planned.generation,
-                                         prompt_tokens=self.token_ids, namespace=serving.namespace)
+        as any request's (the front checked its own)."""
         self._check_tokens(serving.n_vocab)
-        if len(self.token_ids) + generation.max_tokens > serving.seq_len:
-            raise UnsupportedRequest(
-                f"{len(self.token_ids)} prompt and {generation.max_tokens} completion tokens do "
-                f"not fit this node's {serving.seq_len} tokens per request")
-        return generation
+        planned = self.planned.generation
+        return dataclasses.replace(planned, prompt_tokens=self.token_ids,
+                                   namespace=serving.namespace,
+                                   max_tokens=self._room(serving, planned.max_tokens))
 
     def to_generation(self, serving: Serving, stop_tokens: frozenset[int]) -> GenerationRequest:
         """`stop_tokens`: the model's own end-of-generation tokens, where the engine stops."""
         self._check_supported(serving.n_vocab, stop_tokens)
         s, stop = self.sampling, self.stop
-        try:
-            max_tokens = completion_room(len(self.token_ids), serving.seq_len,
-                                         stop.get("max_tokens"), serving.max_tokens,
-                                         "token_ids")
-        except APIError as exc:
-            raise UnsupportedRequest(exc.message) from None
+        max_tokens = self._room(serving, stop.get("max_tokens"))
         top_k = s.get("top_k")
         return GenerationRequest(
             prompt_tokens=self.token_ids,
@@ -109,6 +101,14 @@ class DynamoRequest:
             raise UnsupportedRequest(f"stop token ids {sorted(others)} are not the model's "
                                      "end-of-generation tokens, the only ones a prefixgate node "
                                      "stops at")
+
+    def _room(self, serving: Serving, wanted: int | None) -> int:
+        """The completion tokens the request gets on this node (core.requests.completion_room)."""
+        try:
+            return completion_room(len(self.token_ids), serving.seq_len, wanted,
+                                   serving.max_tokens, "token_ids")
+        except APIError as exc:
+            raise UnsupportedRequest(exc.message) from None
 
     def _check_tokens(self, n_vocab: int) -> None:
         if any(not 0 <= t < n_vocab for t in self.token_ids):
