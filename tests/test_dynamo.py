@@ -93,9 +93,11 @@ class Router:
                                           cluster.env["DYN_DISCOVERY_BACKEND"], "tcp")
         self.router = KvRouter(self.runtime.endpoint(ENDPOINT), BLOCK, KvRouterConfig())
 
-    async def store(self, tokens: list[int], namespace: str | None = None) -> None:
+    async def store(self, tokens: list[int], namespace: str | None = None,
+                    max_tokens: int = 1) -> None:
         request = {"model": self.model, "token_ids": tokens,
-                   "stop_conditions": {"max_tokens": 1}, "sampling_options": {},
+                   "stop_conditions": {"max_tokens": max_tokens, "ignore_eos": True},
+                   "sampling_options": {},
                    "output_options": {}, "eos_token_ids": [],
                    "routing": {"cache_salt": namespace} if namespace else {}}
         chunks = [c async for c in await self.router.generate_from_request(request)]
@@ -161,6 +163,25 @@ def test_tenants_namespaces_are_apart(cluster, model):
         assert await router.overlap(tokens, "tenant:a", until=True) >= len(tokens) // BLOCK - 1
         assert await router.overlap(tokens) == 0
         assert await router.overlap(tokens, "tenant:b") == 0
+
+    with_router(cluster, model, scenario)
+
+
+def test_the_router_sees_the_prompt_of_a_request_in_flight(cluster, model):
+    """In the default engine mode a prompt joins the pool when its request ends; while it runs,
+    a request of its namespace shares its cells: the node publishes them meanwhile."""
+    tokens = random_prompt(4)
+
+    async def scenario(router: Router) -> None:
+        assert await router.overlap(tokens) == 0
+        running = asyncio.create_task(router.store(tokens, max_tokens=1000))
+        assert await router.overlap(tokens, until=True) >= len(tokens) // BLOCK - 1
+        # Seen while the request still runs, so before any of its blocks was in a pool.
+        assert not running.done()
+        assert sum(n.metrics()["prefixgate_num_requests_running"] for n in cluster.nodes) == 1
+        await running
+        # Ended, its blocks are in the pool: the router still sees them.
+        assert await router.overlap(tokens) >= len(tokens) // BLOCK - 1
 
     with_router(cluster, model, scenario)
 

@@ -13,15 +13,16 @@ import logging
 import math
 import os
 
+from cache.tokens import reusable_prompt
 from gateway.core.service import Gateway
 from gateway.dynamo.assets import ModelFacts, model_directory
-from gateway.dynamo.events import KvEvents
+from gateway.dynamo.events import Block, KvEvents, prompt_blocks
 from gateway.dynamo.handler import Generate
 from gateway.dynamo.settings import DynamoSettings, distributed_runtime
 
 log = logging.getLogger(__name__)
 
-LOAD_SECONDS = 1.0  # how often the load goes to the router
+LOAD_SECONDS = 1.0  # how often the load and the live blocks go to the router
 # The etcd lease the node's registration lives on (Dynamo's ETCD_LEASE_TTL; its own default is
 # 30 s). A node killed without deregistering stays in discovery, and the frontend keeps sending
 # it some requests (503s), until its lease runs out: 5 s bounds that. The runtime renews the
@@ -82,13 +83,14 @@ class DynamoNode:
         # The local indexer lets a router that starts later ask this node for its blocks.
         publisher = KvEventPublisher(endpoint, kv_block_size=header.block_size,
                                      enable_local_indexer=True)
-        pool.index.watch(KvEvents(publisher, header.block_size))
+        events = KvEvents(publisher, header.block_size)
+        pool.index.watch(events)
         load = WorkerMetricsPublisher()
         await load.create_endpoint(endpoint)
         self._tasks = [
             asyncio.ensure_future(endpoint.serve_endpoint(Generate(gateway),
                                                           graceful_shutdown=True)),
-            asyncio.create_task(self._publish_load(load, header.block_size)),
+            asyncio.create_task(self._publish_state(load, events, header.block_size)),
         ]
         runtime_config = ModelRuntimeConfig()
         runtime_config.total_kv_blocks = header.n_slots
@@ -105,16 +107,37 @@ class DynamoNode:
                  config.model_name, self.settings.endpoint, self.instance, header.block_size,
                  header.n_slots)
 
-    async def _publish_load(self, publisher, block_size: int) -> None:
+    async def _publish_state(self, load, events: KvEvents, block_size: int) -> None:
         """What the router adds to a node's cost: the KV blocks its running sequences hold,
-        and the pool's blocks in use."""
+        and the pool's blocks in use; and the blocks of the prompts in flight."""
         pool = self.gateway.workers.pool
         while True:
             cells = sum(v.snapshot.cells_used for v in self.gateway.workers.views())
             used = (await asyncio.to_thread(pool.index.snapshot)).blocks_used
-            publisher.publish(active_decode_blocks=math.ceil(cells / block_size),
-                              kv_used_blocks=used)
+            load.publish(active_decode_blocks=math.ceil(cells / block_size), kv_used_blocks=used)
+            if self._shares_live_cells():
+                events.live(await asyncio.to_thread(self._live_blocks, block_size))
             await asyncio.sleep(LOAD_SECONDS)
+
+    def _shares_live_cells(self) -> bool:
+        """Whether a request takes a prefix from the cells of one in flight without the pool
+        (engine/batching.py `_live_prefix`): in the default mode, for a model whose blocks are
+        not stored as they are computed (a sliding window's or a recurrent state's are, so the
+        tree has them already)."""
+        layout = self.gateway.workers.pool.layout
+        return not (self.gateway.config.workers.engine.deterministic or layout.window
+                    or layout.state_bytes)
+
+    def _live_blocks(self, block_size: int) -> list[Block]:
+        """The full blocks of the part of each prompt in flight that another request may
+        share (cache.tokens `reusable_prompt`)."""
+        index, blocks = self.gateway.workers.pool.index, []
+        for namespace, prompt in self.gateway.workers.prompts_in_flight():
+            shareable = reusable_prompt(prompt)
+            shareable = shareable[: len(shareable) // block_size * block_size]
+            blocks += prompt_blocks(shareable, index.chain_keys(shareable, namespace),
+                                    block_size, namespace)
+        return blocks
 
     async def stop(self, drain_seconds: float) -> None:
         """Deregisters (the frontend stops routing here at once, not at etcd's lease end),

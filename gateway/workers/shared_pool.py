@@ -64,6 +64,7 @@ class SharedPool:
     def __init__(self, config: WorkersConfig, ready: Ready) -> None:
         self.config = config
         self.fingerprint = kv_fingerprint(config.model_path, ready.layout)
+        self.layout = ready.layout  # what a block holds: window rows, a recurrent state
         self.arena = _create_arena(config, ready, self.fingerprint)
         header = self.arena.header
         self.tier = (RedisTier(config.redis, self.fingerprint, header.slot_bytes)

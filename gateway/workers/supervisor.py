@@ -241,13 +241,17 @@ class Workers:
             worker.send(Submit(request_id, each, pool_cached))
         return handles
 
+    def prompts_in_flight(self) -> list[tuple[str, np.ndarray]]:
+        """The namespace and prompt of every request in flight: what a request of the same
+        namespace beside it shares cells of."""
+        with self._lock:
+            return [(r.namespace, r.prompt) for w in self._workers for r in w.requests.values()]
+
     def live_match(self, prompt: np.ndarray, namespace: str) -> tuple[int, np.ndarray | None]:
         """The longest prefix of `prompt` a request in flight of the namespace holds or
         computes (its cells are shared with a request that runs beside it), and that request's
         prompt."""
-        with self._lock:
-            shareable = [r.prompt for w in self._workers for r in w.requests.values()
-                         if r.namespace == namespace]
+        shareable = [held for space, held in self.prompts_in_flight() if space == namespace]
         return max(((common_prefix(other, prompt), other) for other in shareable),
                    key=lambda match: match[0], default=(0, None))
 
