@@ -100,6 +100,9 @@ class Output:
     usage: Usage | None = None
     error: str | None = None
     unavailable: bool = False  # the engine stopped or died: a 503, not a 500
+    # Refused at admission by an engine elsewhere (a Dynamo node at capacity): the 429 a
+    # local engine's refusal is, when nothing was sent yet.
+    refused: bool = False
     generated: tuple[int, ...] = ()  # on the last output: every generated token id
     token_ids: tuple[int, ...] = ()  # the generated tokens this output adds (Dynamo's stream)
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens this output's text came from

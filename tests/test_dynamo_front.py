@@ -22,6 +22,7 @@ import anthropic
 import openai
 import pytest
 
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import ROOT, GatewayProcess, free_port
 from tests.conftest import redis_server
 from tests.dynamo_cluster import (
@@ -275,6 +276,41 @@ def test_the_rate_limit_holds_at_the_front(deployment):
     client.completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=deployment.model, prompt="Hi", max_tokens=1)
+
+
+@pytest.fixture
+def tight_front(deployment) -> Iterator[GatewayProcess]:
+    """A node that runs one request and queues none, in a Dynamo namespace of its own, and an
+    open front over it."""
+    endpoint = ("--dynamo-endpoint", "tight.prefixgate.generate")
+    node = deployment.cluster.node("--parallel", "1", "--max-queue", "0", *endpoint)
+    try:
+        front = GatewayProcess(default_model_path(), "--dynamo-front", *endpoint,
+                               env=deployment.cluster.env)
+        yield front
+        front.stop()
+    finally:
+        node.stop()
+
+
+def test_a_node_at_capacity_is_the_429_of_a_single_gateway(tight_front):
+    client = openai.OpenAI(base_url=tight_front.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    hello = dict(model=tight_front.model_name, max_tokens=2,
+                 messages=[{"role": "user", "content": "Hi"}])
+    busy = client.chat.completions.create(
+        model=tight_front.model_name, max_tokens=300, stream=True,
+        messages=[{"role": "user", "content": "Count to a thousand, one number a line."}])
+    next(busy)  # it holds the node's one sequence
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(**hello, stream=stream)
+        assert refused.value.response.headers["Retry-After"] == "1"
+        assert refused.value.code == "rate_limit_exceeded"
+    busy.close()
+    # Not lost: the SDK's own retry (after Retry-After) is answered once the node is free.
+    answer = client.with_options(max_retries=10).chat.completions.create(**hello)
+    assert answer.usage.completion_tokens == 2
 
 
 def test_a_request_without_a_key_is_refused(deployment):

@@ -350,12 +350,15 @@ def _submit(gateway: Gateway, generations: list[GenerationRequest],
         return gateway.workers.submit_group(generations, cache_key, pool_cached, pins)
     except Overloaded as exc:
         gateway.metrics.refused.labels("capacity").inc()
-        raise APIError(429, f"The server is at capacity ({exc}); retry shortly",
-                       code="rate_limit_exceeded",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        raise _at_capacity(str(exc)) from None
     except EngineUnavailable as exc:
         raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"
                        ) from None
+
+
+def _at_capacity(reason: str) -> APIError:
+    return APIError(429, f"The server is at capacity ({reason}); retry shortly",
+                    code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _timed_out(seconds: float) -> APIError:
@@ -457,7 +460,10 @@ async def _stream(request: web.Request, handles: list[GenerationHandle], wire: W
         async with asyncio.timeout(timeout):
             async for i, output in outputs(handles, choices, timer):
                 if output.error:
-                    await send(wire.failure(_generation_error(output)), opened=True)
+                    error = _generation_error(output)
+                    if output.refused and not response.prepared:  # as refused at admission
+                        raise error
+                    await send(wire.failure(error), opened=True)
                     break
                 growth = choices[i].grow(wire.parser, final=output.last)
                 await send(wire.on_output(i, output, choices[i], growth))
@@ -493,6 +499,8 @@ async def _send(response: web.StreamResponse, events: list[Event]) -> None:
 
 
 def _generation_error(output: Output) -> APIError:
+    if output.refused:
+        return _at_capacity(output.error)
     if output.unavailable:
         return APIError(503, f"The engine is not serving: {output.error}",
                         code="engine_unavailable")

@@ -4,7 +4,8 @@ Redis tier, drafts, the workers, the freeing of everything it held), and its out
 Dynamo's token chunks: `{"token_ids": [...], "index": 0}`, the last with `finish_reason` and
 `completion_usage` (with the prompt tokens the cache served). A request from prefixgate's front
 runs the front's own plan (gateway/dynamo/requests.py `Planned`, its pins included) and gets
-each output whole besides, as the engine made it, in the chunk's `extra_args`."""
+each output whole besides, as the engine made it, in the chunk's `extra_args`; a refusal at
+admission (at capacity) reaches it as such an output, for its client's 429."""
 
 from __future__ import annotations
 
@@ -66,8 +67,12 @@ class Generate:
             # for what it stored: the next request finds them, as on the HTTP APIs.
             yield last
         except APIError as exc:  # refused at admission: at capacity, or no engine serving
-            raise GenerationFailed(f"prefixgate refused the request ({exc.status}): "
-                                   f"{exc.message}") from None
+            if not whole:
+                raise GenerationFailed(f"prefixgate refused the request ({exc.status}): "
+                                       f"{exc.message}") from None
+            # A front reads why, and answers its client as a single gateway would (a 429).
+            yield chunk(Output(error=exc.message, refused=exc.status == 429,
+                               unavailable=exc.status == 503), whole)
         except asyncio.CancelledError:
             log.info("a Dynamo request was cancelled")
             raise
