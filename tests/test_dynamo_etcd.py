@@ -161,6 +161,27 @@ def test_a_node_restarted_after_a_kill_has_no_blocks_in_the_router(cluster, etcd
     with_router(cluster, MODEL, scenario)
 
 
+def test_a_node_paused_past_its_lease_joins_again(cluster, etcd):
+    client = cluster.frontend("kv")
+    system = system_prompt("glaciers")
+    paused = cluster.nodes[holder(cluster, client, system)]
+    other = next(n for n in cluster.nodes if n is not paused)
+    lost, other_id = instance(paused), instance(other)
+    paused.proc.send_signal(signal.SIGSTOP)
+    try:  # its lease runs out while it cannot renew it, and Dynamo's runtime gives up on it
+        wait_for(lambda: listed(etcd) == {other_id}, "etcd drops the paused node")
+    finally:
+        paused.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: paused.health()[1]["dynamo"].get("instance", f"{lost:x}") != f"{lost:x}",
+             "the node joins again as a new instance")
+    assert listed(etcd) == {instance(paused), other_id}
+    # Its blocks are published again: its prefix is sent back to it, not computed again.
+    before, computed_before = answered(paused), computed(paused)
+    prompt_tokens = ask(client, MODEL, system, "Again?").usage.prompt_tokens
+    assert answered(paused) == before + 1
+    assert computed(paused) - computed_before < 0.15 * prompt_tokens
+
+
 def test_a_busy_node_does_not_hold_up_the_others(cluster):
     client = cluster.frontend("kv")
     system = system_prompt("lighthouses")

@@ -78,3 +78,17 @@ def test_a_tenants_live_blocks_carry_its_namespace_and_partial_blocks_none():
     events.added(partial)
     events.removed(partial)
     assert len(recorder.events) == 1
+
+
+def test_nothing_is_published_once_closed():
+    """After the node left Dynamo's runtime (lost or stopped), the tree still changes."""
+    index, recorder = CacheIndex(16, BLOCK), Recorder()
+    events = KvEvents(recorder, BLOCK)
+    tokens = np.arange(8, dtype=np.int32)
+    events.close()
+    events.live(live(index, tokens))
+    for node in tree_path(index, tokens):
+        events.added(node)
+        events.removed(node)
+    events.live([])
+    assert recorder.events == []

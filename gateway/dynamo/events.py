@@ -56,6 +56,13 @@ class KvEvents:
         # The tree tells of its changes under the cache index's lock, from every worker's
         # reader thread; the live blocks come from the event loop.
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Publishes nothing more: the publisher's runtime is gone, and the tree, which calls
+        this under its lock, must not meet its errors."""
+        with self._lock:
+            self._closed = True
 
     def added(self, node: Node) -> None:
         if len(node.tokens) == self.block_size:
@@ -83,7 +90,8 @@ class KvEvents:
 
     def _hold(self, block: Block) -> None:
         self._holders[block.key] += 1
-        if self._holders[block.key] == 1:  # the publisher only queues the event
+        # The publisher only queues the event.
+        if self._holders[block.key] == 1 and not self._closed:
             self.publisher.publish_stored(
                 block.tokens.tolist(), [self.block_size], [block_id(block.key)],
                 parent_hash=None if block.parent is None else block_id(block.parent),
@@ -93,4 +101,5 @@ class KvEvents:
         self._holders[key] -= 1
         if not self._holders[key]:
             del self._holders[key]
-            self.publisher.publish_removed([block_id(key)])
+            if not self._closed:
+                self.publisher.publish_removed([block_id(key)])

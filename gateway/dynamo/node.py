@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+from pathlib import Path
 
 from cache.tokens import reusable_prompt
 from gateway.core.service import Gateway
@@ -28,6 +29,7 @@ LOAD_SECONDS = 1.0  # how often the load and the live blocks go to the router
 # it some requests (503s), until its lease runs out: 5 s bounds that. The runtime renews the
 # lease from its own threads; busy nodes stayed registered at 5 s through the tests.
 LEASE_SECONDS = 5
+REJOIN_SECONDS = 5.0  # between attempts to join Dynamo again after losing the registration
 
 
 class NodeError(RuntimeError):
@@ -39,7 +41,9 @@ class DynamoNode:
         self.gateway = gateway
         self.settings = settings
         self._runtime = None
-        self._tasks: list[asyncio.Future] = []
+        self._tasks: list[asyncio.Future] = []  # the endpoint served, the state published
+        self._keeper: asyncio.Task | None = None  # `_stay`
+        self._events: KvEvents | None = None  # the tree's listener for the runtime there is
         self.instance: int | None = None  # Dynamo's id of this node while it is registered
 
     def status(self) -> dict:
@@ -50,7 +54,26 @@ class DynamoNode:
         return {"registered": True, "instance": f"{self.instance:x}"}
 
     async def start(self) -> None:
-        """Registers the model and serves the endpoint; a NodeError when it cannot."""
+        """Registers the model and serves the endpoint; a NodeError when it cannot. Then keeps
+        the node in Dynamo (`_stay`)."""
+        from gateway.dynamo.vocab import VocabularyError
+
+        gateway, config = self.gateway, self.gateway.config
+        if gateway.workers.pool is None:
+            raise NodeError("--dynamo needs the prefix cache: its KV events are the pool's "
+                            "blocks (leave out --no-prefix-cache)")
+        facts = ModelFacts.of(gateway.model, gateway.workers.seq_len, config.chat_template)
+        try:
+            directory = await asyncio.to_thread(model_directory, config.workers.model_path,
+                                                facts, self.settings.model_dir)
+        except VocabularyError as exc:
+            raise NodeError(str(exc)) from None
+        await self._join(directory)
+        self._keeper = asyncio.create_task(self._stay(directory))
+
+    async def _join(self, directory: Path) -> None:
+        """A runtime of its own, the endpoint served, the KV events and load published from
+        the pool as it is, the model registered: a new Dynamo instance."""
         # Dynamo is imported only by a node: its Rust core is large and slow to load, and the
         # plain gateway never needs it.
         from dynamo.llm import (
@@ -63,28 +86,17 @@ class DynamoNode:
             register_model,
         )
 
-        from gateway.dynamo.vocab import VocabularyError
-
         gateway, config = self.gateway, self.gateway.config
         pool = gateway.workers.pool
-        if pool is None:
-            raise NodeError("--dynamo needs the prefix cache: its KV events are the pool's "
-                            "blocks (leave out --no-prefix-cache)")
         header = pool.arena.header
-        facts = ModelFacts.of(gateway.model, gateway.workers.seq_len, config.chat_template)
-        try:
-            directory = await asyncio.to_thread(model_directory, config.workers.model_path,
-                                                facts, self.settings.model_dir)
-        except VocabularyError as exc:
-            raise NodeError(str(exc)) from None
         os.environ.setdefault("ETCD_LEASE_TTL", str(LEASE_SECONDS))  # the user's setting wins
         runtime = self._runtime = distributed_runtime(asyncio.get_running_loop())
         endpoint = runtime.endpoint(self.settings.endpoint)
         # The local indexer lets a router that starts later ask this node for its blocks.
         publisher = KvEventPublisher(endpoint, kv_block_size=header.block_size,
                                      enable_local_indexer=True)
-        events = KvEvents(publisher, header.block_size)
-        pool.index.watch(events)
+        events = self._events = KvEvents(publisher, header.block_size)
+        pool.index.watch(events)  # from the tree as it is now, in place of an earlier instance's
         load = WorkerMetricsPublisher()
         await load.create_endpoint(endpoint)
         self._tasks = [
@@ -106,6 +118,41 @@ class DynamoNode:
         log.info("serving %r on Dynamo at %s as instance %x: blocks of %d tokens, %d of them",
                  config.model_name, self.settings.endpoint, self.instance, header.block_size,
                  header.n_slots)
+
+    async def _stay(self, directory: Path) -> None:
+        """Dynamo's runtime shuts itself down when it loses its etcd lease (the node was paused
+        longer than the lease, or etcd was out of its reach): the frontend has dropped the node,
+        and nothing in Dynamo brings it back, while the node would go on believing itself
+        registered. So when its endpoint stops without `stop`, the node joins again, as a new
+        instance, until it succeeds."""
+        while True:
+            await asyncio.wait(self._tasks[:1])  # not cancelling the endpoint if cancelled
+            log.warning("Dynamo's runtime stopped serving instance %x (its lease was lost); "
+                        "joining again", self.instance or 0)
+            await self._leave()
+            while True:
+                try:
+                    await self._join(directory)
+                    break
+                except Exception:
+                    log.exception("joining Dynamo again failed; trying again in %.0f s",
+                                  REJOIN_SECONDS)
+                    await self._leave()
+                    await asyncio.sleep(REJOIN_SECONDS)
+
+    async def _leave(self) -> None:
+        """Shuts the runtime down and ends the node's tasks on it."""
+        self.instance = None
+        if self._events is not None:
+            self._events.close()
+        if self._runtime is not None:
+            self._runtime.shutdown()
+            self._runtime = None
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
 
     async def _publish_state(self, load, events: KvEvents, block_size: int) -> None:
         """What the router adds to a node's cost: the KV blocks its running sequences hold,
@@ -142,13 +189,15 @@ class DynamoNode:
     async def stop(self, drain_seconds: float) -> None:
         """Deregisters (the frontend stops routing here at once, not at etcd's lease end),
         then lets the requests in flight finish within `drain_seconds`."""
+        if self._keeper is not None:  # first: this is no lost registration to restore
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         self.instance = None
         if self._runtime is not None:
             self._runtime.shutdown()
+            self._runtime = None
         if self._tasks:
             await asyncio.wait(self._tasks[:1], timeout=drain_seconds)
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._leave()
         log.info("left Dynamo")
