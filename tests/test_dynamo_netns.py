@@ -8,8 +8,11 @@ each repeated prefix to the node that holds it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ from tests.etcd_server import Etcd
 
 MODEL = default_model_path().stem
 N_NODES = 2
+SYSTEM_PORT = 9090  # each node's Dynamo system server, where the frontend reads its model files
 
 
 def ip(*args: str) -> None:
@@ -60,7 +64,12 @@ class Namespace:
         return ns
 
     def remove(self) -> None:
-        """Deleting the namespace deletes its end of the veth, and with it the root's end."""
+        """Deleting the namespace deletes its end of the veth, and with it the root's end.
+        Whatever of ours still runs in it (a node that failed to start, its engine workers)
+        is killed first."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
 
     def pids(self) -> list[str]:
@@ -81,13 +90,21 @@ class NetnsCluster(Cluster):
         place = len(self.nodes)  # the next namespace
         ns = self.namespaces[place]
         pool = self.tmp / f"pool-{place}"  # its own shared-memory file, in no other's reach
+        # Its model directory on a tmpfs of its own: `ip netns exec` gives the node a mount
+        # namespace of its own, so the frontend sees an empty directory there and must fetch
+        # the tokenizer files from the node (DYN_SYSTEM_PORT).
+        models = self.tmp / f"models-{place}"
+        models.mkdir()
         return registered(GatewayProcess(
             default_model_path(), *NODE_ARGS, *args, "--shared-memory", str(pool),
-            "--dynamo-model-dir", str(self.model_dir), host=ns.inner,
-            launcher=("ip", "netns", "exec", ns.name),
+            "--dynamo-model-dir", str(models), host=ns.inner,
+            launcher=("ip", "netns", "exec", ns.name, "sh", "-c",
+                      'mount -t tmpfs tmpfs "$0" && exec "$@"', str(models)),
             env={**self.env, **(env or {}),
                  "ETCD_ENDPOINTS": f"http://{ns.outer}:{self.etcd_port}",
-                 "DYN_TCP_RPC_HOST": ns.inner, "DYN_EVENT_PLANE_HOST": ns.inner}))
+                 "DYN_TCP_RPC_HOST": ns.inner, "DYN_EVENT_PLANE_HOST": ns.inner,
+                 # The namespace's own port space: Dynamo takes a port below 32768 only.
+                 "DYN_SYSTEM_HOST": ns.inner, "DYN_SYSTEM_PORT": str(SYSTEM_PORT)}))
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +131,19 @@ def cluster(tmp_path_factory, namespaces) -> Iterator[NetnsCluster]:
         if cluster is not None:
             cluster.stop()
         etcd.stop()
-        assert not [pid for ns in namespaces for pid in ns.pids()], "a process outlived"
+        # The nodes stop their engine workers before they exit.
+        deadline = time.monotonic() + 60
+        while any(ns.pids() for ns in namespaces) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(ns.pids() for ns in namespaces), "a process outlived its node"
 
 
 def test_each_node_serves_from_its_own_namespace_and_address(cluster, namespaces):
-    for node, ns in zip(cluster.nodes, namespaces, strict=True):
+    for place, (node, ns) in enumerate(zip(cluster.nodes, namespaces, strict=True)):
         assert node.base_url.startswith(f"http://{ns.inner}:")
         assert node.health()[1]["dynamo"]["registered"]
         assert str(node.proc.pid) in ns.pids()
+        assert not any((cluster.tmp / f"models-{place}").iterdir())  # not from out here
 
 
 def test_the_kv_router_sends_repeats_to_the_holder_across_namespaces(cluster):
