@@ -137,7 +137,23 @@ class Engine:
         self.model = model
         self.config = config
         self.unified = not config.deterministic
+        # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
+        # window cache, which forgets the positions the draft's end has passed.
+        on_device = model.placement is not None and model.placement.on_device
+        wanted = config.speculation if config.speculation is not None else not on_device
+        if config.speculation is None and on_device:
+            log.info("speculation off: on a GPU device a step verifying drafts rounds unlike "
+                     "single-token steps, so greedy output could differ (--speculation on "
+                     "keeps it)")
+        self.speculation = wanted and not model.has_recurrent_state and \
+            (model.n_swa == 0 or config.swa_full)
+        # A step asks for a row of logits per sequence, and per drafted token: the compute
+        # buffers need no more (by default llama.cpp reserves rows of logits for the whole
+        # batch, ~100 MiB for a 49k vocabulary and 512 tokens, on the device with its layers).
+        # (llama.cpp reserves at least a row per sequence id.)
         shape = config.context_shape()
+        shape = dataclasses.replace(shape, n_outputs=max(shape.n_seq_max, min(
+            config.batch_tokens, config.parallel * (1 + MAX_DRAFT if self.speculation else 1))))
         # Tokens one request may hold: the whole pool when it is shared, else one stream.
         per_sequence = shape.n_ctx if self.unified else shape.n_ctx // shape.n_seq_max
         self.seq_len = per_sequence if config.beyond_training else \
@@ -177,16 +193,6 @@ class Engine:
         self._computed_tokens = 0
         self._drafts = {source: [0, 0] for source in SOURCES}  # drafted, accepted
         self._answers = SuffixIndex()  # the answers given lately, drafted from
-        # Drafts need a KV whose last positions can be dropped: not a recurrent state, nor a
-        # window cache, which forgets the positions the draft's end has passed.
-        on_device = model.placement is not None and model.placement.on_device
-        wanted = config.speculation if config.speculation is not None else not on_device
-        if config.speculation is None and on_device:
-            log.info("speculation off: on a GPU device a step verifying drafts rounds unlike "
-                     "single-token steps, so greedy output could differ (--speculation on "
-                     "keeps it)")
-        self.speculation = wanted and not model.has_recurrent_state and \
-            (model.n_swa == 0 or config.swa_full)
         self._stopping = False
         self._lock = threading.Lock()  # orders submit() against the engine stopping or dying
         self.failure: str | None = None  # why the engine thread died, if it did

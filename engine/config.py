@@ -40,6 +40,9 @@ class ContextShape:
     flash_attn: bool = False
     unified: bool = True  # one cell pool for all sequences, or one stream of n_ctx / n_seq_max each
     n_ubatch: int | None = None  # tokens per compute pass; None: n_batch
+    # Rows of logits one decode may ask for: llama.cpp reserves its compute buffers (on the
+    # device, with layers there) for this many rows of the vocabulary. 0: n_batch.
+    n_outputs: int = 0
     # A sliding-window model's window layers get KV cells for every position (llama.cpp's
     # library default) rather than for the last window of each sequence (llama-server's).
     swa_full: bool = False

@@ -306,6 +306,7 @@ class Context:
         params.n_ctx = shape.n_ctx
         params.n_batch = shape.n_batch
         params.n_ubatch = shape.n_ubatch or shape.n_batch
+        params.n_outputs_max = shape.n_outputs
         params.n_seq_max = shape.n_seq_max
         params.n_threads = shape.n_threads
         params.n_threads_batch = shape.n_threads
@@ -326,6 +327,10 @@ class Context:
         self._state_buffer = np.empty(0, np.uint8)
 
     def decode(self, batch: Batch) -> None:
+        if self.shape.n_outputs and batch.n_logits > self.shape.n_outputs:
+            # llama.cpp would abort the process: its buffers hold no more rows.
+            raise DecodeError(f"a batch asks for {batch.n_logits} rows of logits; the context "
+                              f"has room for {self.shape.n_outputs}")
         status = lc.llama_decode(self.ptr, batch.raw)
         if status == 1:
             raise KVCacheFull(f"no free KV cells for a batch of {len(batch)} tokens")
@@ -393,6 +398,7 @@ class Batch:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.n_logits = 0  # rows of logits asked for
         self.raw = lc.llama_batch_init(capacity, 0, 1)
         self._tokens = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
         self._pos = np.ctypeslib.as_array(self.raw.pos, shape=(capacity,))
@@ -404,6 +410,7 @@ class Batch:
 
     def clear(self) -> None:
         self.raw.n_tokens = 0
+        self.n_logits = 0
 
     def add(self, tokens: list[int], first_pos: int, seq_id: int, n_logits: int) -> int:
         """Append consecutive tokens of one sequence, the last `n_logits` of them with logits;
@@ -418,6 +425,7 @@ class Batch:
         for i in range(start, end):
             self.raw.seq_id[i][0] = seq_id
         self.raw.n_tokens = end
+        self.n_logits += n_logits
         return end - n_logits
 
     def close(self) -> None:

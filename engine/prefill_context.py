@@ -26,7 +26,7 @@ class PrefillContext:
     def __init__(self, model: Model, pool_shape: ContextShape, n_cells: int) -> None:
         """`n_cells`: the longest prompt computed here (longer ones stay in the pool)."""
         self.ctx = Context(model, ContextShape(
-            n_ctx=n_cells, n_seq_max=1, n_batch=pool_shape.n_batch,
+            n_ctx=n_cells, n_seq_max=1, n_batch=pool_shape.n_batch, n_outputs=1,
             n_threads=pool_shape.n_threads, kv_type=pool_shape.kv_type,
             flash_attn=pool_shape.flash_attn, unified=True))
         self.n_cells = n_cells
