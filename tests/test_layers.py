@@ -10,6 +10,8 @@ of project imports below it; 0 imports nothing)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,17 @@ def test_the_messages_between_processes_load_no_llama_cpp():
                  if t not in seen]
         assert "llama_cpp" not in imports(known[name]), f"{name} (for engine.messages)"
     assert "engine.llama" not in seen
+
+
+def test_the_plain_gateway_loads_none_of_the_dynamo_extra():
+    """Dynamo and the tokenizers its model directory is written with are the `dynamo` extra:
+    the images install the gateway without it, so serving must not import them."""
+    extra = ("dynamo", "tokenizers", "gguf", "transformers")
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, gateway.server, gateway.cli; "
+         f"print(sorted(set({extra!r}) & sys.modules.keys()))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
 
 
 def test_no_folder_holds_a_worker_and_a_workers_module():

@@ -11,11 +11,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache.fingerprint import gguf_fingerprint
 from engine.llama import Model
-from gateway.dynamo.vocab import Vocabulary, tokenizer_of
 from gateway.formats.builtin_templates import TEMPLATE_OF_ARCHITECTURE
+
+if TYPE_CHECKING:
+    from gateway.dynamo.vocab import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ def model_directory(gguf: str, facts: ModelFacts, root: Path | None = None) -> P
     directory = root / f"{gguf_fingerprint(gguf)[:16]}-{facts.context_length}"
     if (directory / "tokenizer.json").exists():
         return directory
+    # Imported here: gguf and tokenizers are the `dynamo` extra, which the plain gateway (and
+    # its image) does without, and the server imports this module.
+    from gateway.dynamo.vocab import Vocabulary, tokenizer_of
     vocab = Vocabulary.read(gguf)
     tokenizer = tokenizer_of(vocab)
     template = facts.chat_template or vocab.chat_template or \
