@@ -2,6 +2,7 @@
 #
 #   docker build -t prefixgate:latest .
 #   docker build --build-arg FETCH_MODEL=0 -t prefixgate:latest .   # no model baked in
+#   docker build --build-arg EXTRAS=dynamo -t prefixgate:dynamo .  # Dynamo nodes and fronts
 #   docker run --rm -p 8000:8000 --shm-size 2g prefixgate:latest
 #
 # For NVIDIA GPUs, Dockerfile.cuda builds the same image with llama.cpp's CUDA backend.
@@ -32,6 +33,17 @@ COPY engine ./engine
 COPY cache ./cache
 RUN CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" pip wheel --no-cache-dir --wheel-dir /wheels .
 
+# EXTRAS=dynamo (docker build --build-arg EXTRAS=dynamo): an image for Dynamo nodes and fronts
+# (`--dynamo`, `--dynamo-front`, docs/dynamo.md) with pyproject's extra, and the two Dynamo wheels
+# without their dependencies, as `make setup` installs them (ai-dynamo also asks for aisimulate,
+# a placeholder that cannot be installed). Empty by default: the plain gateway needs none of it.
+ARG EXTRAS=""
+ARG DYNAMO_WHEELS="ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1"
+RUN if [ -n "$EXTRAS" ]; then \
+        pip wheel --no-cache-dir --wheel-dir /wheels --find-links /wheels ".[${EXTRAS}]"; fi \
+    && case ",$EXTRAS," in *,dynamo,*) \
+        pip wheel --no-cache-dir --no-deps --wheel-dir /wheels $DYNAMO_WHEELS;; esac
+
 # ---- runtime ---------------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm
 
@@ -46,7 +58,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1
 
 COPY --from=builder /wheels /tmp/wheels
-RUN pip install --no-index --find-links /tmp/wheels prefixgate && rm -rf /tmp/wheels
+# The builder's EXTRAS again (an ARG ends with its stage); Dynamo's wheels, when it made them,
+# without their dependencies.
+ARG EXTRAS=""
+RUN pip install --no-index --find-links /tmp/wheels "prefixgate${EXTRAS:+[$EXTRAS]}" \
+    && if ls /tmp/wheels/ai_dynamo*.whl >/dev/null 2>&1; then \
+        pip install --no-index --no-deps /tmp/wheels/ai_dynamo*.whl; fi \
+    && rm -rf /tmp/wheels
 
 # A non-root user (uid 10001, as deploy/k8s/deployment.yaml's runAsUser) owns the model and
 # cache directories. /models is where gateway.workers.model_store keeps the default model

