@@ -179,3 +179,10 @@ def test_the_header_says_what_usage_says(gateway, client, model_name):
     usage = raw.parse().usage
     assert header(raw)["cached"] == str(usage.cache_read_input_tokens) != "0"
     assert header(raw)["source"] == "pool"
+
+
+def test_a_server_without_a_cache_of_its_own_says_so_and_where_it_is(uncached_gateway):
+    status, answer = post(uncached_gateway, "/v1/cache/explain",
+                          {"model": uncached_gateway.model_name, "messages": chat("09:00")})
+    assert status == 404 and answer["error"]["code"] == "cache_disabled"
+    assert "--no-prefix-cache, or is a front" in answer["error"]["message"]

@@ -23,6 +23,7 @@ from gateway.edge.ratelimit import RateLimiter, RateLimits
 from gateway.formats.prompts import PromptBuilder
 from gateway.responses.shared_store import SharedResponses
 from gateway.responses.store import ResponseStore
+from gateway.workers.shared_pool import SharedPool
 from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,14 @@ class Gateway:
                 log.exception("writing the stored responses to %s failed", cache_dir)
         if self.model:
             self.model.close()
+
+    def require_pool(self) -> SharedPool:
+        """This process's block pool, for the cache's operator APIs (explain, admin)."""
+        if self.workers.pool is None:
+            raise APIError(404, "This server holds no prefix cache of its own: it runs with "
+                           "--no-prefix-cache, or is a front whose cache is on its Dynamo "
+                           "nodes (ask a node)", code="cache_disabled")
+        return self.workers.pool
 
     def require_model(self, name: str) -> None:
         if not self.ready:

@@ -37,8 +37,7 @@ def _require_admin(request: web.Request) -> Gateway:
     if not bearer_matches(request.headers.get("Authorization"), key):
         raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
                        code="invalid_api_key")
-    if gateway.workers.pool is None:
-        raise APIError(404, "The prefix cache is off", code="cache_disabled")
+    gateway.require_pool()
     return gateway
 
 

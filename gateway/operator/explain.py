@@ -62,8 +62,7 @@ class Found:
 @routes.post("/v1/cache/explain")
 async def explain(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
-    if gateway.workers.pool is None:
-        raise APIError(404, "The prefix cache is off", code="cache_disabled")
+    gateway.require_pool()
     namespace, admin = _namespace(request, gateway)
     admit(request)
     rendered = await _render(request, gateway)
