@@ -149,8 +149,8 @@ class Engine:
             (model.n_swa == 0 or config.swa_full)
         # A step asks for a row of logits per sequence, and per drafted token: the compute
         # buffers need no more (by default llama.cpp reserves rows of logits for the whole
-        # batch, ~100 MiB for a 49k vocabulary and 512 tokens, on the device with its layers).
-        # (llama.cpp reserves at least a row per sequence id.)
+        # batch, ~100 MiB for a 49k vocabulary and 512 tokens, on the device with its layers),
+        # and llama.cpp wants at least a row per sequence id.
         shape = config.context_shape()
         shape = dataclasses.replace(shape, n_outputs=max(shape.n_seq_max, min(
             config.batch_tokens, config.parallel * (1 + MAX_DRAFT if self.speculation else 1))))

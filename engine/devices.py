@@ -90,7 +90,8 @@ def place(offload: Offload, found: list[Device], shape: Callable[[], ModelShape]
     if offload.workers > 1 and len(devices) > 1:  # one device a worker
         sharing = len(range(worker % len(devices), offload.workers, len(devices)))
         devices, tensor_split, main_gpu = [devices[worker % len(devices)]], (), 0
-        seat = f"worker {worker} of {offload.workers} on a device of its own; "
+        seat = f"worker {worker} of {offload.workers} on a device of its own; " if sharing == 1 \
+            else f"worker {worker} of {offload.workers} on a device shared by {sharing}; "
     elif offload.workers > 1 and devices:
         seat = f"{offload.workers} workers share the device; "
     if not devices:

@@ -95,6 +95,7 @@ def test_workers_take_a_device_each_and_those_sharing_one_divide_it():
     three = [place(Offload(workers=3), found, shape, worker) for worker in range(3)]
     assert [p.devices[0].name for p in three] == ["CUDA0", "CUDA1", "CUDA0"]
     assert [p.gpu_layers for p in three] == [10, 31, 10]
+    assert three[2].why.startswith("worker 2 of 3 on a device shared by 2; ")
     # One device: every worker has a copy of the layers on it.
     shared = place(Offload(workers=2), found[:2], shape, 1)
     assert shared.gpu_layers == 10 and shared.why.startswith("2 workers share the device")
