@@ -22,7 +22,7 @@ GPU_CMAKE_ARGS_metal := -DGGML_METAL=ON
 # lists the ones it needs (ai-dynamo's `aisimulate` is a placeholder that cannot be installed).
 DYNAMO := ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 
-.PHONY: setup serve test test-vulkan lint bench bench-gpu system-deps agents image-check
+.PHONY: setup serve test test-vulkan lint bench bench-dynamo bench-gpu system-deps agents image-check
 
 setup: $(VENV)/.installed-$(BACKEND)
 
@@ -106,6 +106,12 @@ bench: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e ".[test,bench]"
 	test -x .bench/llama-server || BACKEND=cpu loadtest/build_llama_server.sh
 	$(PY) -m loadtest.bench --docs docs/benchmarks.md $(ARGS)
+
+# Scale-out on NVIDIA Dynamo (docs/dynamo.md, ~20 minutes): three prefixgate nodes behind
+# prefixgate's front and Dynamo's frontend, beside plain replicas sharing Redis, for both models.
+bench-dynamo: setup
+	$(call apt_missing,redis-server:redis-server)
+	$(PY) -m loadtest.dynamo_bench $(ARGS)
 
 # The GPU benchmark (docs/gpu.md, minutes): prefixgate beside llama-server, both built for the
 # backend .venv was set up with (`make setup BACKEND=cuda`), every layer on the device; builds

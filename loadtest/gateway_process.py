@@ -3,17 +3,21 @@ start it, and the systems the benchmarks compare it with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -24,6 +28,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real redis-server on a free loopback port, nothing saved: (its URL, its process)."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make system-deps installs it)"
+    port = free_port()
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield url, server
+    finally:
+        server.kill()
+        server.wait()
 
 
 def scrape(base_url: str, metrics_key: str | None = None) -> list[Sample]:

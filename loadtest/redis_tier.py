@@ -13,31 +13,30 @@ per cached token (its values' lengths over their tokens).
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import time
 
 import redis
 from aiohttp import ClientSession
 
 from gateway.workers.model_store import default_model_path
-from loadtest.gateway_process import GatewayProcess, free_port
+from loadtest.gateway_process import GatewayProcess, redis_server
 from loadtest.prefix_figures import ask, system_prompt
 
 
 def main() -> None:
-    port = free_port()
-    server = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
-                               "127.0.0.1", "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    with redis_server() as (url, _):
+        rows, keys, value_bytes, tokens = measure(url)
+    print("\nA ~1,000-token system prompt and a question, on two gateways sharing only Redis\n")
+    print("| prompt | TTFT (s) | cached tokens |")
+    print("|---|---:|---:|")
+    for label, ttft, cached in rows:
+        print(f"| {label} | {ttft:.3f} | {cached} |")
+    print(f"\nRedis holds {keys} blocks, {value_bytes / 2**20:.1f} MiB for {tokens} tokens: "
+          f"{value_bytes / tokens / 1024:.1f} KiB per cached token")
+
+
+def measure(url: str) -> tuple[list[tuple[str, float, int]], int, int, int]:
+    """The three TTFTs, then the blocks Redis holds, their bytes and their tokens."""
     client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
     model = default_model_path()
     gateways = [GatewayProcess(model, "--redis-url", url) for _ in range(2)]
     system = system_prompt(11)
@@ -61,14 +60,7 @@ def main() -> None:
     finally:
         for gateway in gateways:
             gateway.stop()
-        server.kill()
-    print("\nA ~1,000-token system prompt and a question, on two gateways sharing only Redis\n")
-    print("| prompt | TTFT (s) | cached tokens |")
-    print("|---|---:|---:|")
-    for label, ttft, cached in rows:
-        print(f"| {label} | {ttft:.3f} | {cached} |")
-    print(f"\nRedis holds {len(keys)} blocks, {value_bytes / 2**20:.1f} MiB for {tokens} tokens: "
-          f"{value_bytes / tokens / 1024:.1f} KiB per cached token")
+    return rows, len(keys), value_bytes, tokens
 
 
 def _pending(gateway: GatewayProcess) -> bool:

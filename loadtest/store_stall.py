@@ -27,19 +27,16 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import redis
 from aiohttp import ClientSession, ClientTimeout
 
 from gateway.workers.model_store import default_model_path
 from loadtest.client import stream_chat
-from loadtest.gateway_process import ROOT, GatewayProcess, free_port
+from loadtest.gateway_process import ROOT, GatewayProcess, redis_server
 from loadtest.prefix_figures import system_prompt
 
 STREAMS = 1
@@ -49,28 +46,6 @@ STORES = 1
 PROBE = ROOT / "loadtest" / "probe"
 STALL = 0.020  # seconds: a wake-up this late counts as a stall
 AFTER = 2.0  # seconds after the last store's answer still in the window (the tier's writes)
-
-
-@contextlib.contextmanager
-def redis_server():
-    """A redis-server on a free loopback port: its URL."""
-    port = free_port()
-    server = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
-                               "127.0.0.1", "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield url
-    finally:
-        server.kill()
-        server.wait()
 
 
 def long_prompt(seed: int) -> str:
@@ -158,7 +133,7 @@ def main() -> None:
     model = default_model_path()
     with contextlib.ExitStack() as stack:
         tier = () if args.no_redis else (
-            "--redis-url", stack.enter_context(redis_server()), "--redis-key", "stall-secret")
+            "--redis-url", stack.enter_context(redis_server())[0], "--redis-key", "stall-secret")
         probe = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "late"
         # No request timeout: on a busy machine the long prompt's prefill, beside the stream,
         # may take minutes.

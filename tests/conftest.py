@@ -1,19 +1,13 @@
 from __future__ import annotations
 
-import contextlib
-import shutil
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import redis
 
 from engine.llama import Model
 from gateway.workers.model_store import default_model_path
-from loadtest.gateway_process import GatewayProcess, free_port
+from loadtest.gateway_process import GatewayProcess, redis_server
 from tests.clocked_gateway import TestClock
 
 # The default mode: F16 KV in one unified pool of cells, live prefixes shared between sequences.
@@ -119,31 +113,6 @@ def pin_clock(tmp_path: Path) -> TestClock:
     stands still until the test moves it, so a pin expires where the test says, never while a
     busy machine is still on the requests before."""
     return TestClock(tmp_path / "pin-clock")
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
-    """A real redis-server on a free loopback port: (its URL, its process)."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is not installed (make test installs it)"
-    port = free_port()
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    try:
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        yield url, server
-    finally:
-        server.kill()
-        server.wait()
 
 
 @pytest.fixture

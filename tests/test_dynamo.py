@@ -17,8 +17,9 @@ import openai
 import pytest
 
 from gateway.workers.model_store import default_model_path
+from loadtest.dynamo_cluster import BLOCK, ENDPOINT, answered
 from loadtest.gateway_process import GatewayProcess
-from tests.dynamo_cluster import BLOCK, ENDPOINT, Cluster, answered, ask, replay
+from tests.dynamo_cluster import Cluster, ask, replay
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,8 @@ import pytest
 
 from gateway.dynamo.node import LEASE_SECONDS
 from gateway.workers.model_store import default_model_path
-from tests.dynamo_cluster import (
-    Cluster,
-    answered,
-    ask,
-    computed,
-    instance,
-    replay,
-    system_prompt,
-)
+from loadtest.dynamo_cluster import answered, computed, instance
+from tests.dynamo_cluster import Cluster, ask, replay, system_prompt
 from tests.etcd_server import Etcd
 from tests.test_dynamo import Router, random_prompt, with_router
 

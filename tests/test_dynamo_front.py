@@ -23,17 +23,9 @@ import openai
 import pytest
 
 from gateway.workers.model_store import default_model_path
-from loadtest.gateway_process import ROOT, GatewayProcess, free_port
-from tests.conftest import redis_server
-from tests.dynamo_cluster import (
-    BLOCK,
-    Cluster,
-    answered,
-    ask,
-    computed,
-    replay,
-    system_prompt,
-)
+from loadtest.dynamo_cluster import BLOCK, answered, computed
+from loadtest.gateway_process import ROOT, GatewayProcess, free_port, redis_server
+from tests.dynamo_cluster import Cluster, ask, replay, system_prompt
 from tests.test_claude_code import claude
 from tests.test_codex import answer, codex, codex_home, usage
 from tests.test_dynamo import Router, random_prompt, with_router

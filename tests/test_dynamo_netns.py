@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from gateway.workers.model_store import default_model_path
+from loadtest.dynamo_cluster import NODE_ARGS, registered
 from loadtest.gateway_process import GatewayProcess
-from tests.dynamo_cluster import NODE_ARGS, Cluster, registered, replay
+from tests.dynamo_cluster import Cluster, replay
 from tests.etcd_server import Etcd
 
 MODEL = default_model_path().stem

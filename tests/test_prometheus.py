@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from loadtest.gateway_process import GatewayProcess
-from tests.conftest import DEFAULT_ARGS, openai_client, redis_server
+from loadtest.gateway_process import GatewayProcess, redis_server
+from tests.conftest import DEFAULT_ARGS, openai_client
 from tests.dashboards import (
     dashboard_files,
     dashboard_queries,
