@@ -160,10 +160,10 @@ def test_tenants_namespaces_are_apart(cluster, model):
     tokens = random_prompt(2)
 
     async def scenario(router: Router) -> None:
-        await router.store(tokens, "tenant:a")
-        assert await router.overlap(tokens, "tenant:a", until=True) >= len(tokens) // BLOCK - 1
+        await router.store(tokens, "team:a")
+        assert await router.overlap(tokens, "team:a", until=True) >= len(tokens) // BLOCK - 1
         assert await router.overlap(tokens) == 0
-        assert await router.overlap(tokens, "tenant:b") == 0
+        assert await router.overlap(tokens, "team:b") == 0
 
     with_router(cluster, model, scenario)
 

@@ -63,3 +63,49 @@ def test_a_node_runs_the_plan_on_the_request_s_prompt_and_salt():
         request.planned_generation(Serving(3, 100, None, SamplingDefaults(), ""))
     with pytest.raises(UnsupportedRequest, match="max_tokens is too large"):  # --max-tokens
         request.planned_generation(Serving(8, 100, 2, SamplingDefaults(), ""))
+
+
+def planned(generation: GenerationRequest, pins=(), salt: str = "tenant:a") -> DynamoRequest:
+    return DynamoRequest.of({"token_ids": [1, 2, 3], "routing": {"cache_salt": salt},
+                             "extra_args": json.loads(json.dumps(
+                                 Planned(generation, pins).extra_args()))})
+
+
+SERVING = Serving(64, 2000, None, SamplingDefaults(), "tenant:a")
+
+
+@pytest.mark.parametrize("asks", [
+    {"logit_bias": {2000: 1.0}}, {"shown_tokens": frozenset({-1})},
+    {"prediction": (5, 2000)}, {"history": (2000,)}, {"sampler": SamplerSettings(script=(5,))},
+    {"stop": ["x"] * 65}, {"stop": ["x" * 4097]}, {"logit_bias": {i: 1.0 for i in range(1025)}},
+    {"logprobs": 21}, {"history": (1,) * 1025},
+    {"sampler": SamplerSettings(grammar_triggers=("<a>",) * 65)},
+])
+def test_a_plan_asking_what_a_local_request_cannot_is_refused(asks):
+    """A peer on Dynamo's request plane gets no more from a node than its own API gives: token
+    ids in the vocabulary (the engine decodes drafts and indexes logits by them), bounded lists,
+    no test hook."""
+    request = planned(GenerationRequest(prompt_tokens=[], max_tokens=4, **asks))
+    with pytest.raises(UnsupportedRequest):
+        request.planned_generation(SERVING)
+
+
+def test_a_plans_pins_are_a_local_requests():
+    request = planned(GenerationRequest(prompt_tokens=[], max_tokens=4),
+                      (Pin(3, 300.0), Pin(1_000_000, 1e12), Pin(-5, 60.0)))
+    assert request.planned_pins(3600.0) == (Pin(3, 300.0), Pin(3, 3600.0), Pin(0, 60.0))
+    with pytest.raises(UnsupportedRequest):
+        planned(GenerationRequest(prompt_tokens=[], max_tokens=4),
+                (Pin(3, 60.0),) * 6).planned_pins(3600.0)
+
+
+@pytest.mark.parametrize("salt", ["tenant:a", "shared"])
+def test_a_request_from_elsewhere_never_takes_a_fronts_tenant_namespace(salt):
+    """Dynamo's frontend lets its clients choose their cache salt: none of them reads the
+    blocks of a front's tenant."""
+    with pytest.raises(UnsupportedRequest):
+        DynamoRequest.of({"token_ids": [1, 2, 3], "routing": {"cache_salt": salt}})
+    assert DynamoRequest.of({"token_ids": [1, 2, 3], "routing": {"cache_salt": "team:a"}}
+                            ).namespace == "team:a"
+    with pytest.raises(UnsupportedRequest):
+        DynamoRequest.of({"token_ids": [1, 2, 3], "routing": {"cache_salt": ["tenant:a"]}})

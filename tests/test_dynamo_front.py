@@ -299,6 +299,8 @@ def test_a_node_at_capacity_is_the_429_of_a_single_gateway(tight_front):
             client.chat.completions.create(**hello, stream=stream)
         assert refused.value.response.headers["Retry-After"] == "1"
         assert refused.value.code == "rate_limit_exceeded"
+        # The node's own words, as a single gateway says them (not wrapped in them again).
+        assert str(refused.value).count("at capacity") == 1, refused.value
     busy.close()
     # Not lost: the SDK's own retry (after Retry-After) is answered once the node is free.
     answer = client.with_options(max_retries=10).chat.completions.create(**hello)

@@ -7,6 +7,7 @@ where the KV router sends it: to the node holding its system prompt."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -54,7 +55,8 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Iterator[Pair]:
     cluster = Cluster(tmp_path_factory.mktemp("dynamo-retry"),
-                      node_args=("--parallel", "1", "--max-queue", str(QUEUE)))
+                      node_args=("--parallel", "1", "--max-queue", str(QUEUE),
+                                 "--step-timeout", "0"))  # a node may be paused
     try:
         yield Pair(cluster, cluster.front())
     finally:
@@ -118,10 +120,10 @@ def long_stream(client: openai.OpenAI, model: str, system: str, started: threadi
 
 
 @contextmanager
-def full(pair: Pair, node: GatewayProcess, system: str, queued: int = QUEUE) -> Iterator[None]:
+def full(pair: Pair, node: GatewayProcess, system: str, queued: int = QUEUE) -> Iterator[Calls]:
     """`node` runs a long generation and queues `queued` requests besides, all sent to its own
     API (so the front's router knows nothing of them); at the end the long one is dropped and
-    the queued ones answered."""
+    the queued ones (`queued i` of the Calls) answered."""
     direct = pair.client(node)
     stream = direct.chat.completions.create(
         model=pair.model, max_tokens=2000, temperature=0, stream=True,
@@ -134,7 +136,7 @@ def full(pair: Pair, node: GatewayProcess, system: str, queued: int = QUEUE) -> 
         for i in range(queued):
             calls.start(f"queued {i}", lambda i=i: ask(direct, pair.model, system, f"Queued {i}?"))
         wait_for(lambda: waiting(node) == queued, "the node queues the requests")
-        yield
+        yield calls
     finally:
         stream.close()
         calls.join()
@@ -161,17 +163,78 @@ def test_a_request_a_node_refuses_at_capacity_is_served_by_the_other(pair, strea
     assert text == direct.choices[0].message.content
 
 
+def queried(node: GatewayProcess) -> float:
+    """Prompt tokens of the sequences the node has started (looked up in its cache)."""
+    return node.metrics()["prefixgate_prefix_cache_queries_total"]
+
+
 def test_a_group_refused_in_part_moves_whole_to_the_other_node(pair):
     """The node has room for one of the request's two choices: both go to the other node
-    together, where they run beside each other and compute their prompt once."""
+    together, where they run beside each other and compute their prompt once; the one the
+    node had queued is stopped there, never run."""
     system = system_prompt("choices on the move")
     busy, other = pair.holder(system)
-    with full(pair, busy, system, queued=QUEUE - 1):
-        refused, before = pair.retries("refused"), computed(other)
-        answer = ask(pair.client(), pair.model, system, "Hello?", n=2, temperature=1, seed=3)
+    with full(pair, busy, system, queued=QUEUE - 1) as queue:
+        engine = busy.health()[1]["workers"][0]["pid"]
+        started = queried(busy)
+        os.kill(engine, signal.SIGSTOP)  # the node stays full: its long generation cannot end
+        try:
+            refused, before = pair.retries("refused"), computed(other)
+            answer = ask(pair.client(), pair.model, system, "Hello?", n=2, temperature=1,
+                         seed=3)
+        finally:
+            os.kill(engine, signal.SIGCONT)
         assert [c.finish_reason for c in answer.choices] == ["length", "length"]
         assert pair.retries("refused") == refused + 1
         assert computed(other) - before < 1.5 * answer.usage.prompt_tokens
+    busy.wait_idle(300)
+    # Since then the node started the request it had queued itself, and nothing else.
+    assert queried(busy) - started == queue.ended["queued 0"].usage.prompt_tokens
+
+
+def waiting_behind_a_stream(pair: Pair, system: str
+                            ) -> tuple[GatewayProcess, GatewayProcess, Calls]:
+    """Through the front, a long stream on the node holding `system`, then QUEUE questions
+    waiting there behind it: that node, the other, and the calls (`long`, `question i`)."""
+    node, other = pair.holder(system)
+    calls, started = Calls(), threading.Event()
+    calls.start("long", lambda: long_stream(pair.client(), pair.model, system, started))
+    assert started.wait(600)
+    assert node.metrics()["prefixgate_num_requests_running"] == 1  # the router sent it there
+    for i in range(QUEUE):
+        calls.start(f"question {i}",
+                    lambda i=i: ask(pair.client(), pair.model, system, f"Question {i}?"))
+    wait_for(lambda: waiting(node) == QUEUE, "the questions wait on the node")
+    return node, other, calls
+
+
+def answered_elsewhere(pair: Pair, calls: Calls, system: str, other: GatewayProcess,
+                       unreachable: float) -> None:
+    """None hangs; the stream, which had sent text, ended with an error and was not retried;
+    each question was sent on once, and the other node answered it whole, as it answers it
+    itself."""
+    calls.join()
+    assert isinstance(calls.ended["long"], openai.APIError), calls.ended["long"]
+    for i in range(QUEUE):
+        answer = calls.ended[f"question {i}"]
+        assert isinstance(answer, openai.types.chat.ChatCompletion), answer
+        direct = ask(pair.client(other), pair.model, system, f"Question {i}?")
+        assert answer.choices[0].message.content == direct.choices[0].message.content
+        assert answer.choices[0].finish_reason == direct.choices[0].finish_reason
+        assert answer.usage.completion_tokens == direct.usage.completion_tokens
+    assert pair.retries("unreachable") == unreachable + QUEUE
+
+
+def test_requests_waiting_when_a_nodes_engine_dies_are_answered_by_the_other(pair):
+    """The node's engine worker is killed: the node fails its requests as a single gateway
+    does (its engine unavailable, a 503), and those that had sent nothing go to the other
+    node. The node then serves again with a new engine worker."""
+    system = system_prompt("a dying engine")
+    node, other, calls = waiting_behind_a_stream(pair, system)
+    unreachable = pair.retries("unreachable")
+    os.kill(node.health()[1]["workers"][0]["pid"], signal.SIGKILL)
+    answered_elsewhere(pair, calls, system, other, unreachable)
+    wait_for(lambda: node.health()[1]["workers"][0]["state"] == "ready", "a new engine worker")
 
 
 def test_requests_waiting_on_a_killed_node_are_answered_by_the_other(pair):
@@ -179,26 +242,8 @@ def test_requests_waiting_on_a_killed_node_are_answered_by_the_other(pair):
     SIGKILL. The waiting ones had sent nothing to their clients: the other node answers them,
     whole. The stream had: it ends with an error, not retried."""
     system = system_prompt("sudden death")
-    victim, survivor = pair.holder(system)
-    calls, started = Calls(), threading.Event()
-    calls.start("long", lambda: long_stream(pair.client(), pair.model, system, started))
-    assert started.wait(600)
-    assert victim.metrics()["prefixgate_num_requests_running"] == 1  # the router sent it there
-    for i in range(QUEUE):
-        calls.start(f"question {i}",
-                    lambda i=i: ask(pair.client(), pair.model, system, f"Question {i}?"))
-    wait_for(lambda: waiting(victim) == QUEUE, "the questions wait on the node")
+    victim, survivor, calls = waiting_behind_a_stream(pair, system)
     unreachable = pair.retries("unreachable")
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
-    calls.join()
-    assert isinstance(calls.ended["long"], openai.APIError), calls.ended["long"]
-    for i in range(QUEUE):
-        answer = calls.ended[f"question {i}"]
-        assert isinstance(answer, openai.types.chat.ChatCompletion), answer
-        direct = ask(pair.client(survivor), pair.model, system, f"Question {i}?")
-        assert answer.choices[0].message.content == direct.choices[0].message.content
-        assert answer.choices[0].finish_reason == direct.choices[0].finish_reason
-        assert answer.usage.completion_tokens == direct.usage.completion_tokens
-    # Each waiting request was sent on once; the stream never.
-    assert pair.retries("unreachable") == unreachable + QUEUE
+    answered_elsewhere(pair, calls, system, survivor, unreachable)

@@ -357,8 +357,12 @@ def _submit(gateway: Gateway, generations: list[GenerationRequest],
 
 
 def _at_capacity(reason: str) -> APIError:
-    return APIError(429, f"The server is at capacity ({reason}); retry shortly",
-                    code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return _refusal(f"The server is at capacity ({reason}); retry shortly")
+
+
+def _refusal(message: str) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _timed_out(seconds: float) -> APIError:
@@ -499,8 +503,8 @@ async def _send(response: web.StreamResponse, events: list[Event]) -> None:
 
 
 def _generation_error(output: Output) -> APIError:
-    if output.refused:
-        return _at_capacity(output.error)
+    if output.refused:  # by an engine elsewhere, in its own words (its _at_capacity)
+        return _refusal(output.error)
     if output.unavailable:
         return APIError(503, f"The engine is not serving: {output.error}",
                         code="engine_unavailable")

@@ -204,7 +204,10 @@ class DynamoFront:
             "routing": routing, "extra_args": Planned(generation, pins).extra_args(),
         }
         try:
-            async for chunk in await self._router.generate_from_request(request):
+            # Unbuffered: a stream dropped here (cancelled, moved) is dropped in Dynamo at once,
+            # which stops the request on the node, even one that has sent nothing yet.
+            async for chunk in await self._router.generate_from_request(
+                    request, response_buffer_size=0):
                 output = codec.decode(Output, chunk["extra_args"][PLANNED])
                 if (output.refused or output.unavailable) and not streamed[0]:
                     return output  # refused there at admission: another node may take it

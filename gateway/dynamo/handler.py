@@ -22,6 +22,7 @@ from gateway.core.service import Gateway
 from gateway.dynamo import codec
 from gateway.dynamo.requests import PLANNED, DynamoRequest, UnsupportedRequest
 from gateway.edge.errors import APIError
+from gateway.workers.handles import GenerationHandle
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +45,34 @@ class Generate:
             serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
                               gateway.config.limits.max_tokens, gateway.config.sampling,
                               request.namespace)
-            plan = Plan(request.planned_generation(serving), pins=request.planned.pins) \
-                if request.planned else Plan(request.to_generation(serving, self.stop_tokens))
+            plan = Plan(request.planned_generation(serving), pins=request.planned_pins(
+                gateway.config.workers.pin_hours * 3600)) if request.planned \
+                else Plan(request.to_generation(serving, self.stop_tokens))
         except UnsupportedRequest as exc:
             raise GenerationFailed(f"prefixgate refused the request: {exc}") from None
         generation, whole, last = plan.generation, request.planned is not None, None
         try:
             async with running(gateway, plan, key=None) as (handles, choices, _):
-                timer = gateway.metrics.request_timer(len(generation.prompt_tokens))
-                async with contextlib.aclosing(outputs(handles, choices, timer)) as stream:
-                    async for _, output in stream:
-                        if context.is_stopped():  # the frontend's client went away
-                            return
-                        if output.error:
-                            raise GenerationFailed(f"generation failed on the node: "
-                                                   f"{output.error}")
-                        if output.last:
-                            last = chunk(output, whole)
-                        else:
-                            yield chunk(output, whole)
+                watcher = asyncio.ensure_future(_on_stop(context, handles))
+                try:
+                    timer = gateway.metrics.request_timer(len(generation.prompt_tokens))
+                    async with contextlib.aclosing(outputs(handles, choices, timer)) as stream:
+                        async for _, output in stream:
+                            if context.is_stopped() or context.is_killed():  # client gone
+                                return
+                            if output.error and not whole:
+                                raise GenerationFailed(f"generation failed on the node: "
+                                                       f"{output.error}")
+                            if output.last:
+                                last = chunk(output, whole)
+                            else:
+                                yield chunk(output, whole)
+                finally:
+                    watcher.cancel()
             # The last chunk once the request has let go of what it held and its pins are set
-            # for what it stored: the next request finds them, as on the HTTP APIs.
+            # for what it stored: the next request finds them, as on the HTTP APIs. A front
+            # reads a failure whole: an engine that died (unavailable) is a 503 there, and a
+            # request that has streamed nothing yet may go to another node.
             yield last
         except APIError as exc:  # refused at admission: at capacity, or no engine serving
             if not whole:
@@ -76,6 +84,16 @@ class Generate:
         except asyncio.CancelledError:
             log.info("a Dynamo request was cancelled")
             raise
+
+
+async def _on_stop(context: Any, handles: list[GenerationHandle]) -> None:
+    """The frontend stopped the request (its client went away, or a front moved it to another
+    node) before its end, maybe before its first output (waiting for a sequence): its
+    sequences are freed now, and the stream wakes to end."""
+    await context.async_killed_or_stopped()
+    for handle in handles:
+        handle.cancel()  # before the wake-up, which would leave it finished, never cancelled
+        handle.put(Output(error="stopped by Dynamo"))
 
 
 def chunk(output: Output, whole: bool = False) -> dict:

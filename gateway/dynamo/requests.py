@@ -13,12 +13,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.messages import GenerationRequest
+from gateway.core import bounds
+from gateway.core.generation import HISTORY_TOKENS
 from gateway.core.requests import Serving, completion_room, sampler_settings
 from gateway.dynamo import codec
+from gateway.edge.auth import SHARED_GROUP
 from gateway.edge.errors import APIError
 from gateway.formats.prompts import Pin
 
 PLANNED = "prefixgate"  # the key of a front's plan in Dynamo's extra_args
+TOP_LOGPROBS = 20  # the most alternatives any API asks for a token (OpenAI's bound)
+SALT_CHARS = 1024  # a cache salt's length, at most
 
 
 class UnsupportedRequest(ValueError):
@@ -47,17 +52,37 @@ class DynamoRequest:
             planned = None if planned is None else codec.decode(Planned, planned)
         except ValueError as exc:
             raise UnsupportedRequest(f"the front's plan does not read: {exc}") from None
+        salt = routing.get("cache_salt") or ""
+        if not isinstance(salt, str) or len(salt) > SALT_CHARS:
+            raise UnsupportedRequest(f"the cache salt is not a string of at most {SALT_CHARS} "
+                                     "characters")
+        # A front's tenants' namespaces are its own: a request from elsewhere (Dynamo's
+        # frontend, whose clients choose their salt) never reads their blocks.
+        if planned is None and (salt.startswith("tenant:") or salt == SHARED_GROUP):
+            raise UnsupportedRequest(f"the cache salt {salt!r} is the namespace of a prefixgate "
+                                     "front's tenants")
         return cls(tokens, body.get("sampling_options") or {}, body.get("stop_conditions") or {},
-                   body.get("output_options") or {}, routing.get("cache_salt") or "", planned)
+                   body.get("output_options") or {}, salt, planned)
 
     def planned_generation(self, serving: Serving) -> GenerationRequest:
         """A front's plan on this request's prompt and namespace, within this node's bounds
         as any request's (the front checked its own)."""
         self._check_tokens(serving.n_vocab)
         planned = self.planned.generation
+        _check_plan(planned, serving.n_vocab)
         return dataclasses.replace(planned, prompt_tokens=self.token_ids,
                                    namespace=serving.namespace,
                                    max_tokens=self._room(serving, planned.max_tokens))
+
+    def planned_pins(self, longest: float) -> tuple[Pin, ...]:
+        """A front's pins, as a local request's are: one per cache breakpoint and one for the
+        whole prompt at most, each for at most `longest` seconds (this node's --pin-hours)."""
+        pins = self.planned.pins
+        if len(pins) > bounds.CACHE_BREAKPOINTS + 1:
+            raise UnsupportedRequest(f"{len(pins)} pins; a request sets at most "
+                                     f"{bounds.CACHE_BREAKPOINTS + 1}")
+        return tuple(Pin(min(max(p.n_tokens, 0), len(self.token_ids)), min(p.seconds, longest))
+                     for p in pins)
 
     def to_generation(self, serving: Serving, stop_tokens: frozenset[int]) -> GenerationRequest:
         """`stop_tokens`: the model's own end-of-generation tokens, where the engine stops."""
@@ -113,6 +138,32 @@ class DynamoRequest:
     def _check_tokens(self, n_vocab: int) -> None:
         if any(not 0 <= t < n_vocab for t in self.token_ids):
             raise UnsupportedRequest(f"a prompt token id is not below the vocabulary's {n_vocab}")
+
+
+def _check_plan(plan: GenerationRequest, n_vocab: int) -> None:
+    """A front's plan within what a local request may ask (gateway/core/bounds.py): a peer on
+    Dynamo's request plane makes a node do nothing its own API would refuse. Every token id
+    the engine may decode or index by is in the vocabulary; every list is bounded."""
+    if plan.sampler.script:
+        raise UnsupportedRequest("a scripted output is a local test hook, not a front's plan")
+    if len(plan.stop) > bounds.STOP_SEQUENCES or \
+            sum(len(s) for s in plan.stop) > bounds.STOP_CHARS:
+        raise UnsupportedRequest(f"at most {bounds.STOP_SEQUENCES} stop strings of "
+                                 f"{bounds.STOP_CHARS} characters in all")
+    if len(plan.sampler.grammar_triggers) > bounds.STOP_SEQUENCES:
+        raise UnsupportedRequest(f"at most {bounds.STOP_SEQUENCES} grammar triggers")
+    if len(plan.logit_bias) > bounds.LOGIT_BIAS:
+        raise UnsupportedRequest(f"at most {bounds.LOGIT_BIAS} token biases")
+    if plan.logprobs is not None and not 0 <= plan.logprobs <= TOP_LOGPROBS:
+        raise UnsupportedRequest(f"logprobs must be between 0 and {TOP_LOGPROBS}")
+    if len(plan.history) > HISTORY_TOKENS or len(plan.prediction) > bounds.TOKEN_IDS:
+        raise UnsupportedRequest(f"a draft source is longer than {HISTORY_TOKENS} (history) "
+                                 f"or {bounds.TOKEN_IDS} (prediction) tokens")
+    for name, ids in (("logit_bias", plan.logit_bias), ("shown_tokens", plan.shown_tokens),
+                      ("prediction", plan.prediction), ("history", plan.history)):
+        if any(not 0 <= t < n_vocab for t in ids):
+            raise UnsupportedRequest(f"a token id of the plan's {name} is not below the "
+                                     f"vocabulary's {n_vocab}")
 
 
 @dataclass(frozen=True)
