@@ -109,3 +109,16 @@ def test_a_request_from_elsewhere_never_takes_a_fronts_tenant_namespace(salt):
                             ).namespace == "team:a"
     with pytest.raises(UnsupportedRequest):
         DynamoRequest.of({"token_ids": [1, 2, 3], "routing": {"cache_salt": ["tenant:a"]}})
+
+
+@pytest.mark.parametrize("body", [
+    {"sampling_options": {"temperature": "hot"}}, {"sampling_options": {"seed": 1.5}},
+    {"stop_conditions": {"max_tokens": "8"}}, {"stop_conditions": {"stop": ["x"] * 65}},
+    {"stop_conditions": {"stop": [7]}}, {"output_options": {"logprobs": 1000}},
+])
+def test_a_request_from_elsewhere_is_held_to_the_same_bounds_and_types(body):
+    """Dynamo's frontend types its requests, but any peer may send one: a node's engine gets
+    nothing its own API would refuse."""
+    request = DynamoRequest.of({"token_ids": [1, 2, 3], **body})
+    with pytest.raises(UnsupportedRequest):
+        request.to_generation(SERVING, frozenset())

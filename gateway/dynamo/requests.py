@@ -88,23 +88,32 @@ class DynamoRequest:
         """`stop_tokens`: the model's own end-of-generation tokens, where the engine stops."""
         self._check_supported(serving.n_vocab, stop_tokens)
         s, stop = self.sampling, self.stop
-        max_tokens = self._room(serving, stop.get("max_tokens"))
-        top_k = s.get("top_k")
-        return GenerationRequest(
-            prompt_tokens=self.token_ids,
-            max_tokens=max_tokens,
-            sampler=sampler_settings(
-                serving.sampling, s.get("temperature"), s.get("top_p"),
-                None if top_k is None else max(top_k, 0), s.get("min_p"), seed=s.get("seed"),
-                presence_penalty=s.get("presence_penalty") or 0.0,
-                frequency_penalty=s.get("frequency_penalty") or 0.0,
-                repetition_penalty=s.get("repetition_penalty") or 1.0),
-            stop=list(stop.get("stop") or []),
-            ignore_eos=bool(stop.get("ignore_eos")),
-            min_tokens=stop.get("min_tokens") or 0,
-            namespace=serving.namespace,
-            logprobs=self.output.get("logprobs"),
-        )
+        try:
+            max_tokens = self._room(serving, stop.get("max_tokens"))
+            top_k = s.get("top_k")
+            generation = GenerationRequest(
+                prompt_tokens=self.token_ids,
+                max_tokens=max_tokens,
+                sampler=sampler_settings(
+                    serving.sampling, s.get("temperature"), s.get("top_p"),
+                    None if top_k is None else max(top_k, 0), s.get("min_p"), seed=s.get("seed"),
+                    presence_penalty=s.get("presence_penalty") or 0.0,
+                    frequency_penalty=s.get("frequency_penalty") or 0.0,
+                    repetition_penalty=s.get("repetition_penalty") or 1.0),
+                stop=list(stop.get("stop") or []),
+                ignore_eos=bool(stop.get("ignore_eos")),
+                min_tokens=stop.get("min_tokens") or 0,
+                namespace=serving.namespace,
+                logprobs=self.output.get("logprobs"),
+            )
+            # Every field of the type the engine reads (the codec checks each one's): the
+            # frontend's types are Dynamo's, but any peer may send this request.
+            codec.decode(GenerationRequest, codec.encode(generation))
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedRequest(f"a field of the request has the wrong type: {exc}"
+                                     ) from None
+        _check_plan(generation, serving.n_vocab)
+        return generation
 
     def _check_supported(self, n_vocab: int, stop_tokens: frozenset[int]) -> None:
         s = self.sampling
@@ -141,7 +150,7 @@ class DynamoRequest:
 
 
 def _check_plan(plan: GenerationRequest, n_vocab: int) -> None:
-    """A front's plan within what a local request may ask (gateway/core/bounds.py): a peer on
+    """A generation within what a local request may ask (gateway/core/bounds.py): a peer on
     Dynamo's request plane makes a node do nothing its own API would refuse. Every token id
     the engine may decode or index by is in the vocabulary; every list is bounded."""
     if plan.sampler.script:
