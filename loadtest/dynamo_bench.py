@@ -58,16 +58,16 @@ NODES = 3
 
 @dataclass(frozen=True)
 class Sizes:
-    systems: int = 3  # system prompts, each used by both tenants
+    systems: int = 3  # system prompts, each used by both tenants: six prefixes
     sessions: int = 12
     turns: int = 4
-    system_tokens: int = 400
+    system_tokens: int = 800
     turn_tokens: int = 30  # each user message, and each scripted answer
     max_tokens: int = 4  # generated per request (the answer kept is the script's)
-    # Each node's pool: about half the workload's distinct tokens, so that a node which sees
-    # every session (round-robin) evicts, and one that sees a third of them (KV routing)
-    # does not. The one node has three times it: all of the workload.
-    pool_tokens: int = 3072
+    # Each node's pool: about half the workload's distinct tokens (~8,400), and less than the
+    # six system prompts, so that a node which sees every session (round-robin) evicts while
+    # one that sees a third of them (KV routing) need not. The one node has three times it.
+    pool_tokens: int = 4096
     seed: int = 52
 
 
@@ -200,10 +200,14 @@ CONFIGURATIONS = {
 class Measured:
     name: str
     records: list[RequestRecord] = field(default_factory=list)
-    computed: float = 0.0
+    per_engine: list[float] = field(default_factory=list)  # prompt tokens each computed
     redis_in: int | None = None  # bytes Redis received (the blocks written) and sent (read)
     redis_out: int | None = None
     seconds: float = 0.0
+
+    @property
+    def computed(self) -> float:
+        return sum(self.per_engine)
 
     @property
     def prompt_tokens(self) -> int:
@@ -224,14 +228,14 @@ class Measured:
 def measure(name: str, target: Target, turns: list[Turn], model_name: str,
             sizes: Sizes) -> Measured:
     result = Measured(name)
-    before = sum(computed(e) for e in target.engines)
+    before = [computed(e) for e in target.engines]
     traffic = redis_traffic(target.redis)
     start = time.perf_counter()
     result.records = asyncio.run(drive(target, turns, model_name, sizes.max_tokens))
     result.seconds = time.perf_counter() - start
     for engine in target.engines:
         engine.wait_idle()
-    result.computed = sum(computed(e) for e in target.engines) - before
+    result.per_engine = [computed(e) - b for e, b in zip(target.engines, before, strict=True)]
     if target.redis is not None:
         after = settled_traffic(target.redis)
         result.redis_in, result.redis_out = after[0] - traffic[0], after[1] - traffic[1]
@@ -249,8 +253,8 @@ async def drive(target: Target, turns: list[Turn], model_name: str,
         records = []
         for i, turn in enumerate(turns):
             extra: dict = {"ignore_eos": True}
-            if target.salted:  # the namespace prefixgate gives a tenant's key
-                extra["cache_salt"] = f"tenant:{turn.tenant}"
+            if target.salted:  # (not prefixgate's own `tenant:` namespaces: a node refuses those)
+                extra["cache_salt"] = turn.tenant
             record, _ = await stream_chat(sessions[turn.tenant], target.urls[i % len(target.urls)],
                                           model_name, list(turn.messages), max_tokens, extra)
             records.append(record)
@@ -299,7 +303,8 @@ def run_model(model_path: Path, sizes: Sizes, names: list[str], tmp: Path,
         with CONFIGURATIONS[name](setup) as target:
             results.append(measure(name, target, turns, model_path.stem, sizes))
         r = results[-1]
-        print(f"  {r.computed:.0f} of {r.prompt_tokens} prompt tokens computed, TTFT p50 "
+        print(f"  {r.computed:.0f} of {r.prompt_tokens} prompt tokens computed "
+              f"({' + '.join(f'{n:.0f}' for n in r.per_engine)}), TTFT p50 "
               f"{r.ttft(50):.3f} s, {r.failed} failed, {r.seconds:.0f} s", flush=True)
     return results
 
