@@ -17,9 +17,10 @@ class Cluster(NodesCluster):
                              max_retries=0)
 
 
-def system_prompt(topic: str) -> str:
+def system_prompt(topic: str, rules: int = 30) -> str:
+    """About 19 tokens a rule (570 for the default 30)."""
     rules = " ".join(f"Rule {i}: answer questions about {topic} with care number {i}."
-                     for i in range(30))
+                     for i in range(rules))
     return f"You are an assistant for {topic}. {rules}"
 
 
@@ -29,14 +30,14 @@ def ask(client: openai.OpenAI, model: str, system: str, question: str = "Hello?"
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
 
 
-def replay(cluster: Cluster, client: openai.OpenAI, model: str, topics: list[str]
-           ) -> tuple[list[float], list[float], int]:
-    """Every prompt, then every prompt again: the prompt tokens each node computed in each
-    round, and the second round's prompt tokens."""
+def replay(cluster: Cluster, client: openai.OpenAI, model: str, topics: list[str],
+           rules: int = 30) -> tuple[list[float], list[float], int]:
+    """Every prompt (a system prompt of `rules` rules), then every prompt again: the prompt
+    tokens each node computed in each round, and the second round's prompt tokens."""
     rounds, prompt_tokens = [], 0
     for _ in range(2):
         before = [computed(n) for n in cluster.nodes]
-        prompt_tokens = sum(ask(client, model, system_prompt(t)).usage.prompt_tokens
+        prompt_tokens = sum(ask(client, model, system_prompt(t, rules)).usage.prompt_tokens
                             for t in topics)
         rounds.append([computed(n) - b for n, b in zip(cluster.nodes, before, strict=True)])
     return rounds[0], rounds[1], prompt_tokens
