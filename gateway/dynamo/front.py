@@ -236,12 +236,16 @@ class DynamoFront:
     async def _other_node(self, generation: GenerationRequest, tried: set[int]) -> int | None:
         """The registered node not in `tried` that the router's cost prefers (the prompt
         tokens it would compute, in blocks, and the blocks its requests hold); None if none
-        is left."""
+        is left, or the router cannot say (the request's own failure is then its answer)."""
         nodes = [n for n in self._nodes.instance_ids() if n not in tried]
         if not nodes:
             return None
-        loads = await self._router.get_potential_loads(
-            generation.prompt_tokens, cache_namespace=generation.namespace or None)
+        try:
+            loads = await self._router.get_potential_loads(
+                generation.prompt_tokens, cache_namespace=generation.namespace or None)
+        except Exception as exc:
+            log.warning("Dynamo's router could not weigh the other nodes: %s", exc)
+            return None
         cost = {load["worker_id"]: load["potential_prefill_tokens"] / self.block_size
                 + load["potential_decode_blocks"] for load in loads}
         return min(nodes, key=lambda n: cost.get(n, math.inf))
