@@ -234,6 +234,22 @@ def test_the_same_prefix_twice_lands_on_the_node_holding_it(deployment):
     assert sum(second) < 0.15 * prompt_tokens, (first, second)
 
 
+def test_prompts_no_node_holds_are_spread_over_the_nodes(deployment):
+    """One after another, so the router sees no load: left to itself it sends every prompt no
+    node holds to the same node (the first of its table), whose pool alone then fills. The
+    front sends each to the node it has sent the fewest."""
+    front = deployment.cluster.front()  # a front of its own: it has sent nothing yet
+    client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="unused", max_retries=0)
+    nodes = deployment.cluster.nodes
+    holders = []
+    for topic in ["botany", "rowing", "origami", "falconry", "pottery", "glassblowing"]:
+        before = [computed(n) for n in nodes]
+        ask(client, deployment.model, system_prompt(topic))
+        grown = [computed(n) - b for n, b in zip(nodes, before, strict=True)]
+        holders.append(max(range(len(nodes)), key=grown.__getitem__))
+    assert sorted(holders.count(i) for i in range(len(nodes))) == [3, 3], holders
+
+
 def test_one_tenants_prefix_is_no_hit_for_another(deployment):
     system = system_prompt("tenancy")
     owner = ask(deployment.openai(tenant="tenant-a"), deployment.model, system)

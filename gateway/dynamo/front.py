@@ -77,6 +77,7 @@ class DynamoFront:
         self._nodes: Any = None  # Dynamo's client of the nodes' endpoint: who is registered
         self._draining = False
         self.retries: Counter[str] = Counter()  # requests sent to another node, by why
+        self._sent: Counter[int] = Counter()  # groups this front sent to each node
         self._serving: set[asyncio.Task] = set()  # `_serve` of each group in flight
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -229,26 +230,36 @@ class DynamoFront:
         return None
 
     async def _best_node(self, generation: GenerationRequest) -> int:
-        node, _, _ = await self._router.best_worker(
-            generation.prompt_tokens, cache_namespace=generation.namespace or None)
+        node = await self._cheapest(generation, self._nodes.instance_ids())
+        if node is None:  # the router cannot weigh the nodes: its own pick
+            node, _, _ = await self._router.best_worker(
+                generation.prompt_tokens, cache_namespace=generation.namespace or None)
         return node
 
     async def _other_node(self, generation: GenerationRequest, tried: set[int]) -> int | None:
-        """The registered node not in `tried` that the router's cost prefers (the prompt
-        tokens it would compute, in blocks, and the blocks its requests hold); None if none
-        is left, or the router cannot say (the request's own failure is then its answer)."""
+        """The node `_best_node` would pick among those not in `tried`; None if none is left,
+        or the router cannot say (the request's own failure is then its answer)."""
         nodes = [n for n in self._nodes.instance_ids() if n not in tried]
-        if not nodes:
-            return None
+        return await self._cheapest(generation, nodes) if nodes else None
+
+    async def _cheapest(self, generation: GenerationRequest, nodes: list[int]) -> int | None:
+        """The node of `nodes` the router's cost prefers (the prompt tokens it would compute,
+        in blocks, and the blocks its requests hold); among equals, the one this front has sent
+        the fewest groups; None if the router cannot say. The router itself breaks a tie by the
+        order of its table: with no request in flight it sent every prompt that no node held
+        (a new system prompt, a new tenant) to the same node, whose pool then overflowed while
+        the others' stayed empty (loadtest.dynamo_bench)."""
         try:
             loads = await self._router.get_potential_loads(
                 generation.prompt_tokens, cache_namespace=generation.namespace or None)
         except Exception as exc:
-            log.warning("Dynamo's router could not weigh the other nodes: %s", exc)
+            log.warning("Dynamo's router could not weigh the nodes: %s", exc)
             return None
         cost = {load["worker_id"]: load["potential_prefill_tokens"] / self.block_size
                 + load["potential_decode_blocks"] for load in loads}
-        return min(nodes, key=lambda n: cost.get(n, math.inf))
+        node = min(nodes, key=lambda n: (cost.get(n, math.inf), self._sent[n]))
+        self._sent[node] += 1
+        return node
 
     def live_match(self, prompt: np.ndarray, namespace: str) -> tuple[int, np.ndarray | None]:
         return 0, None  # the live sequences are the nodes'
