@@ -64,7 +64,7 @@ class Sizes:
     system_tokens: int = 800
     turn_tokens: int = 30  # each user message, and each scripted answer
     max_tokens: int = 4  # generated per request (the answer kept is the script's)
-    # Each node's pool: about half the workload's distinct tokens (~8,400), and less than the
+    # Each node's pool: about half the workload's distinct tokens (~8,000), and less than the
     # six system prompts, so that a node which sees every session (round-robin) evicts while
     # one that sees a third of them (KV routing) need not. The one node has three times it.
     pool_tokens: int = 4096
