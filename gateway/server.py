@@ -46,12 +46,16 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "error", "error": gateway.load_error}, status=500)
     if not gateway.ready:
         return web.json_response({"status": "loading"}, status=503)
-    workers = gateway.workers.states()
+    workers = [{**worker, "model": model.name} for model in gateway.models if model.ready
+               for worker in model.engines.states()]
     n_ready = sum(w["state"] == "ready" for w in workers)
-    # Degraded: a worker is being replaced; the others serve, so the instance stays in rotation.
-    # A front with no node left (gateway/dynamo/front.py) is unavailable.
-    status = "unavailable" if not n_ready else "ok" if n_ready == len(workers) else "degraded"
-    body = {"status": status, "workers": workers}
+    # Degraded: a worker is being replaced, or a model failed to load; the others serve, so the
+    # instance stays in rotation. A front with no node left (gateway/dynamo/front.py) is
+    # unavailable.
+    whole = n_ready == len(workers) and all(model.ready for model in gateway.models)
+    status = "unavailable" if not n_ready else "ok" if whole else "degraded"
+    body = {"status": status, "models": {model.name: model.state for model in gateway.models},
+            "workers": workers}
     node: DynamoNode | None = request.app["dynamo"]
     if node is not None:  # what a test or an orchestrator waits on before routing through Dynamo
         body["dynamo"] = node.status()
@@ -147,7 +151,7 @@ async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
                 front: DynamoSettings | None = None) -> None:
     """`dynamo`: also serve as a Dynamo worker (gateway/dynamo/node.py); `front`: serve with no
     engine of its own, in front of the Dynamo nodes there (gateway/dynamo/front.py)."""
-    engines = DynamoFront(front, config.model_name) if front else None
+    engines = DynamoFront(front, config.models[0].name) if front else None
     gateway = Gateway(config, engines)
     if engines is not None:
         gateway.metrics.registry.register(NodesCollector(engines))
@@ -188,8 +192,8 @@ async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
         if node is not None:  # first: the frontend routes nothing more here
             await node.stop(config.drain_seconds)
         log.info("stopping: %d requests in flight get up to %.0f s to finish",
-                 gateway.workers.n_in_flight, config.drain_seconds)
-        await gateway.workers.drain(config.drain_seconds)
+                 gateway.n_in_flight(), config.drain_seconds)
+        await gateway.drain(config.drain_seconds)
     finally:
         await loading
         history.cancel()

@@ -55,6 +55,12 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
         server.wait()
 
 
+def totals(samples: list[Sample]) -> dict[str, float]:
+    """Sample name -> value, for samples labelled by nothing but their model (a gateway of one
+    model: its totals)."""
+    return {s.name: s.value for s in samples if set(s.labels) <= {"model"}}
+
+
 def scrape(base_url: str, metrics_key: str | None = None) -> list[Sample]:
     """Every sample of a server's Prometheus /metrics."""
     request = urllib.request.Request(base_url + "/metrics", headers={
@@ -130,8 +136,9 @@ class GatewayProcess(ServerProcess):
                          cwd=source, env=env, health_timeout=health_timeout, host=host)
 
     def metrics(self) -> dict[str, float]:
-        """Sample name -> value, for unlabelled samples."""
-        return {s.name: s.value for s in self._samples() if not s.labels}
+        """Sample name -> value, for samples labelled by nothing but their model (a gateway
+        of one model: its totals)."""
+        return totals(self._samples())
 
     def per_worker(self, name: str) -> dict[str, float]:
         """Worker id -> value of a `prefixgate_worker_*` sample."""

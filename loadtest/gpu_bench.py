@@ -49,7 +49,7 @@ from loadtest.bench import (
     serving,
 )
 from loadtest.client import stream_chat
-from loadtest.gateway_process import ROOT, scrape
+from loadtest.gateway_process import ROOT, scrape, totals
 from loadtest.stats import percentiles
 from loadtest.workloads import TextMaker, multi_turn, shared_prefix
 
@@ -233,7 +233,7 @@ async def cached_prefix(server: RunningServer, system: System, maker: TextMaker,
 
 
 def gateway_metrics(server: RunningServer) -> dict[str, float]:
-    return {s.name: s.value for s in scrape(server.base_url) if not s.labels}
+    return totals(scrape(server.base_url))
 
 
 def memory_of(server: RunningServer, system: System) -> dict[tuple[str, str], int]:

@@ -77,8 +77,10 @@ class Load:
                 "metadata": {}}
         cls = self.module.StoredResponse
         if self.chained:
+            # Since several models: each entry names its model's fingerprint (one string).
+            model = {"fingerprint": "model"} if "fingerprint" in cls.__slots__ else {}
             entry = cls.make(response_id, "tenant", body, items, messages, None, "", text,
-                             tokens, parent)
+                             tokens, parent, **model)
         else:  # before: every turn whole
             entry = cls(response_id, "tenant", body, items, messages, None, "", text, tokens)
         return entry, (entry, messages, text, tokens)

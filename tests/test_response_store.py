@@ -23,7 +23,8 @@ def entry(i: int, owner: str = "", created: float | None = None, tokens: int = 1
     messages = [*before[0], Message(role="user", content=f"question {i}"),
                 Message(role="assistant", content=f"answer {i}")]
     made = StoredResponse.make(f"resp_{i}", owner, {"id": f"resp_{i}"}, [], messages, None, "",
-                               before[1] + "x" * 1000, before[2] + [1000 + i] * tokens, parent)
+                               before[1] + "x" * 1000, before[2] + [1000 + i] * tokens, parent,
+                               fingerprint="model")
     if created is not None:
         made.created = created
     return made
@@ -71,7 +72,7 @@ def test_a_chained_turn_holds_what_it_adds():
         store.put(turn)
     # The same conversation in one entry: 40 turns' text and tokens.
     whole = StoredResponse.make("resp_whole", "", {}, [], turn.conversation(), None, "",
-                                turn.all_text(), turn.all_tokens())
+                                turn.all_text(), turn.all_tokens(), fingerprint="model")
     assert len(whole.tokens) == 40 * 100 and whole.n_messages == 80
     assert store.stats[1] < 2 * whole.size
 
@@ -142,13 +143,13 @@ def test_the_file_keeps_the_chains(tmp_path):
     for turn in (first, second, third):
         store.put(turn)
     store.delete("resp_2", "a")
-    assert store.save(tmp_path, "model") == 2
+    assert store.save(tmp_path) == 2
     again = ResponseStore(1 << 30, 3600)
-    assert again.load(tmp_path, "model") == 2
+    assert again.load(tmp_path) == 2
     assert again.stats == store.stats
     assert again.get("resp_2", "a") is None and again.get("resp_3", "b") is None
     loaded = again.get("resp_3", "a")
     assert loaded.all_tokens() == third.all_tokens() and loaded.all_text() == third.all_text()
     assert loaded.conversation() == third.conversation()
     assert loaded.listed_items() == [] and loaded.body == third.body
-    assert ResponseStore(1 << 30, 3600).load(tmp_path, "another model") == 0
+    assert loaded.fingerprint == "model"

@@ -27,11 +27,11 @@ def stored(i: int, owner: str = "tenant-a") -> StoredResponse:
                                [{"type": "message", "role": "user", "id": "msg_1",
                                  "content": [{"type": "input_text", "text": SECRET}]}],
                                messages, None, "", f"user: {SECRET}\nassistant: Noted.\n",
-                               list(range(1000, 1040)))
+                               list(range(1000, 1040)), fingerprint="a fingerprint")
 
 
 def shared(url: str, key: bytes = b"key-one") -> SharedResponses:
-    return SharedResponses(TierConfig(url, key=key), "a fingerprint", ttl_seconds=3600)
+    return SharedResponses(TierConfig(url, key=key), ttl_seconds=3600)
 
 
 def test_one_writer_thread_and_a_bounded_queue_while_redis_is_slow(redis_url):

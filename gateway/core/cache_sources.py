@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.messages import GenerationRequest
-from gateway.core.service import Gateway
+from gateway.core.engines import Engines
 
 HEADER = "x-prefix-cache"
 
@@ -35,11 +35,11 @@ class Held:
         return max(tiers, key=lambda tier: min(tiers[tier], cached))
 
 
-def held_for(gateway: Gateway, request: GenerationRequest, adopted: int, in_pool: int) -> Held:
+def held_for(engines: Engines, request: GenerationRequest, adopted: int, in_pool: int) -> Held:
     """What the tiers hold of a request about to be submitted: `in_pool` tokens of it in the
     pool, `adopted` of them just brought from Redis."""
     prompt = np.asarray(request.prompt_tokens, dtype=np.int32)
-    live, _ = gateway.workers.live_match(prompt, request.namespace)
+    live, _ = engines.live_match(prompt, request.namespace)
     return Held(live, max(0, in_pool - adopted), adopted)
 
 

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from engine.messages import EngineUnavailable, GenerationRequest, Output, TokenLogprob, Usage
 from gateway.core.cache_sources import HEADER, Held, header_value, held_for
+from gateway.core.models import ServedModel
 from gateway.core.requests import Generating, RequestT, Serving, parse_request
 from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
@@ -172,22 +173,22 @@ class Wire:
         raise NotImplementedError
 
 
-async def generate(request: web.Request, body: Generating, prompt: RenderedPrompt,
-                   wire: Wire) -> web.StreamResponse:
+async def generate(request: web.Request, model: ServedModel, body: Generating,
+                   prompt: RenderedPrompt, wire: Wire) -> web.StreamResponse:
     """prompt -> (rate limit, plan, Redis tier, pins) -> worker -> the wire's answer."""
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
     prompt_tokens = prompt.tokens
     admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
     # Building a grammar from a schema takes time: off the event loop the streams share.
-    planned = await asyncio.to_thread(_plan, request, body, prompt)
-    generation = _in_format(gateway, planned.generation, wire)
+    planned = await asyncio.to_thread(_plan, request, model, body, prompt)
+    generation = _in_format(model, planned.generation, wire)
     if replay is not None:
-        generation = await asyncio.to_thread(_replayed, gateway, generation, prompt_tokens)
+        generation = await asyncio.to_thread(_replayed, model, generation, prompt_tokens)
     if planned.n > limits.max_n:
         raise invalid(f"n is {planned.n}; this server answers at most {limits.max_n} choices "
                       "(--max-n)", "n")
-    async with running(gateway, dataclasses.replace(planned, generation=generation),
+    async with running(gateway, model, dataclasses.replace(planned, generation=generation),
                        request["key"]) as (handles, choices, held):
         timer = gateway.metrics.request_timer(len(prompt_tokens))
 
@@ -203,26 +204,27 @@ async def generate(request: web.Request, body: Generating, prompt: RenderedPromp
                                   cache_header)
         finally:
             if gateway.config.log_prompts:
-                log.info("tenant %r prompt %r answers %r", request["tenant"],
-                         gateway.model.detokenize(prompt_tokens), [c.text for c in choices])
+                log.info("tenant %r model %r prompt %r answers %r", request["tenant"],
+                         model.name, model.vocab.detokenize(prompt_tokens),
+                         [c.text for c in choices])
 
 
 @contextlib.asynccontextmanager
-async def running(gateway: Gateway, plan: Plan, key: str | None
+async def running(gateway: Gateway, model: ServedModel, plan: Plan, key: str | None
                   ) -> AsyncIterator[tuple[list[GenerationHandle], list[Choice], Held]]:
-    """A planned request in flight on the workers, whatever API it came by: the Redis tier,
+    """A planned request in flight on the model's workers, whatever API it came by: the Redis tier,
     drafts and routing read first, its pins set, and on the way out its sequences freed
     (whether or not its client stayed), its tokens charged to `key`'s rate and its pins set
     again for what it stored. Yields its handles, a Choice for each, and what the cache held
     for it."""
-    pool = gateway.workers.pool
+    pool = model.engines.pool
     # The index's lock is taken by the workers' reader threads too: the event loop never waits
     # for it (nor for Redis), every call to the index is made on a thread.
-    generation, held, in_pool = await asyncio.to_thread(_routing, gateway, plan.generation)
+    generation, held, in_pool = await asyncio.to_thread(_routing, model, plan.generation)
     # Pins go with the request to engines whose pool is elsewhere (a Dynamo node's); this
     # process's pool is pinned here.
     pins = plan.pins if pool is not None else ()
-    handles = _submit(gateway, _choices(generation, plan.n), plan.cache_key, in_pool,
+    handles = _submit(gateway, model, _choices(generation, plan.n), plan.cache_key, in_pool,
                       plan.pins if pool is None else ())
     choices = [Choice() for _ in handles]
     try:
@@ -239,38 +241,45 @@ async def running(gateway: Gateway, plan: Plan, key: str | None
             await asyncio.to_thread(_pin, pool, generation, pins)
 
 
-def _plan(request: web.Request, body: Generating, prompt: RenderedPrompt) -> Plan:
-    """The request's asks over the server's bounds and defaults, the grammar of calls in the
-    model's format, the tokens it predicted, and its pins: the breakpoints' and, with 24h
-    retention, the whole prompt's."""
+def _plan(request: web.Request, model: ServedModel, body: Generating,
+          prompt: RenderedPrompt) -> Plan:
+    """The request's asks over the server's bounds and the model's defaults, the grammar of
+    calls in the model's format, the tokens it predicted, and its pins: the breakpoints' and,
+    with 24h retention, the whole prompt's."""
     gateway: Gateway = request.app["gateway"]
-    serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
-                      gateway.config.limits.max_tokens, gateway.config.sampling,
-                      request["namespace"])
-    generation = body.to_generation(prompt.tokens, serving, call_grammar_of(prompt.parser))
+    generation = body.to_generation(prompt.tokens, serving(gateway, model, request["namespace"]),
+                                    call_grammar_of(prompt.parser))
     if predicted := body.predicted_text():
         generation = dataclasses.replace(generation, prediction=tuple(
-            gateway.model.tokenize(predicted, add_special=False, parse_special=False)))
+            model.vocab.tokenize(predicted, add_special=False, parse_special=False)))
     pins = prompt.pins
     if body.keeps_prompt():
-        pins = (Pin(len(prompt.tokens), gateway.config.workers.pin_hours * 3600), *pins)
+        pins = (Pin(len(prompt.tokens), model.config.workers.pin_hours * 3600), *pins)
     return Plan(generation, body.n_choices(), body.stream, body.routing_key(), pins)
 
 
-def _routing(gateway: Gateway, generation: GenerationRequest
+def serving(gateway: Gateway, model: ServedModel, namespace: str) -> Serving:
+    """What a request's asks are read over: the model's context and defaults, the server's
+    bounds."""
+    return Serving(model.engines.seq_len, model.vocab.n_vocab, gateway.config.limits.max_tokens,
+                   model.config.sampling, namespace)
+
+
+def _routing(model: ServedModel, generation: GenerationRequest
              ) -> tuple[GenerationRequest, Held, int]:
     """What routing a request reads of the cache, on a thread: the Redis tier on a local miss
     (another replica's hit?), an earlier answer to the same prompt to draft from, what each
     tier holds (before the request is in flight itself) and what the pool holds."""
-    pool = gateway.workers.pool
+    engines = model.engines
+    pool = engines.pool
     if pool is None:
-        return generation, held_for(gateway, generation, 0, 0), 0
+        return generation, held_for(engines, generation, 0, 0), 0
     adopted = pool.fetch_from_tier(generation) if pool.tier is not None else 0
-    if gateway.config.workers.engine.speculation is not False:  # None: the worker decides
+    if model.config.workers.engine.speculation is not False:  # None: the worker decides
         generation = dataclasses.replace(generation, history=pool.history(
             generation, min(generation.max_tokens, HISTORY_TOKENS)))
     in_pool = pool.cached_length(generation)
-    return generation, held_for(gateway, generation, adopted, in_pool), in_pool
+    return generation, held_for(engines, generation, adopted, in_pool), in_pool
 
 
 def _pin(pool: SharedPool, generation: GenerationRequest, pins: tuple[Pin, ...]) -> None:
@@ -278,34 +287,35 @@ def _pin(pool: SharedPool, generation: GenerationRequest, pins: tuple[Pin, ...])
         pool.pin(generation, pin.n_tokens, pin.seconds)
 
 
-def _in_format(gateway: Gateway, generation: GenerationRequest, wire: Wire
+def _in_format(model: ServedModel, generation: GenerationRequest, wire: Wire
                ) -> GenerationRequest:
     """What the model's chat format adds to a generation: its markers kept in the output
     text for the parser."""
     if wire.parser is not None:
-        generation = dataclasses.replace(generation, shown_tokens=gateway.prompts.shown_tokens)
+        generation = dataclasses.replace(generation, shown_tokens=model.prompts.shown_tokens)
     return generation
 
 
-def _replayed(gateway: Gateway, generation: GenerationRequest, prompt_tokens: list[int]
+def _replayed(model: ServedModel, generation: GenerationRequest, prompt_tokens: list[int]
               ) -> GenerationRequest:
     """In tests, a scripted completion for the prompt (the `replay` hook), if it has one."""
-    output = replay(gateway.model.detokenize(prompt_tokens))
+    output = replay(model.vocab.detokenize(prompt_tokens))
     if output is None:
         return generation
-    script = tuple(gateway.prompts.tokenize_rendered(output))
+    script = tuple(model.prompts.tokenize_rendered(output))
     return dataclasses.replace(generation, sampler=dataclasses.replace(
         generation.sampler, script=script))
 
 
-async def read_body(request: web.Request, model: type[RequestT]) -> RequestT:
-    """A request's body, parsed as `model`, for a model this server serves, within its key's
+async def read_body(request: web.Request, kind: type[RequestT]
+                    ) -> tuple[RequestT, ServedModel]:
+    """A request's body, parsed as `kind`, and the served model it names, within its key's
     rate limit: before any work on it."""
     gateway: Gateway = request.app["gateway"]
-    body = parse_request(model, await request.read())
-    gateway.require_model(body.model)
+    body = parse_request(kind, await request.read())
+    model = gateway.require_model(body.model)
     admit(request)
-    return body
+    return body, model
 
 
 def admit(request: web.Request) -> None:
@@ -343,11 +353,11 @@ def _choices(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
         generation.sampler, seed=None if seed is None else seed + i)) for i in range(n)]
 
 
-def _submit(gateway: Gateway, generations: list[GenerationRequest],
+def _submit(gateway: Gateway, model: ServedModel, generations: list[GenerationRequest],
             cache_key: str | None, pool_cached: int, pins: tuple[Pin, ...]
             ) -> list[GenerationHandle]:
     try:
-        return gateway.workers.submit_group(generations, cache_key, pool_cached, pins)
+        return model.engines.submit_group(generations, cache_key, pool_cached, pins)
     except Overloaded as exc:
         gateway.metrics.refused.labels("capacity").inc()
         raise _at_capacity(str(exc)) from None

@@ -1,10 +1,9 @@
-"""What every handler shares: the server's configuration, the vocabulary (for prompts), the
-engine workers, the metrics and the cache's hit-rate history."""
+"""What every handler shares: the server's configuration, the models it serves, the stored
+responses, the metrics and the cache's hit-rate history."""
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import itertools
 import logging
 import threading
@@ -12,19 +11,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from cache.fingerprint import gguf_fingerprint
-from engine.llama import Model
-from gateway.config import Limits, SamplingDefaults, WorkersConfig
+from gateway.config import Limits, ModelConfig, WorkersConfig
 from gateway.core.engines import Engines
+from gateway.core.models import ServedModel
 from gateway.edge.auth import KeyRing
 from gateway.edge.errors import APIError
 from gateway.edge.metrics import Metrics, draft_counts
 from gateway.edge.ratelimit import RateLimiter, RateLimits
-from gateway.formats.prompts import PromptBuilder
 from gateway.responses.shared_store import SharedResponses
 from gateway.responses.store import ResponseStore
-from gateway.workers.shared_pool import SharedPool
-from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +28,7 @@ HISTORY_STEP, HISTORY_SECONDS = 10.0, 900.0  # the hit-rate history: a sample ea
 
 @dataclass
 class ServerConfig:
-    model_name: str
-    workers: WorkersConfig
+    models: tuple[ModelConfig, ...]  # the first is what the operator APIs show unless asked
     host: str = "127.0.0.1"
     port: int = 8000
     drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
@@ -44,14 +38,17 @@ class ServerConfig:
     debug_key: str | None = None  # turns /debug/* on, behind it
     cors_origin: str | None = None  # None: no CORS headers, browsers on other origins refused
     limits: Limits = Limits()
-    chat_template: str | None = None  # instead of the GGUF's own
     log_prompts: bool = False
-    sampling: SamplingDefaults = SamplingDefaults()  # for requests that leave them out
-    model_aliases: tuple[str, ...] = ()  # other names (fnmatch patterns) served by the model
     keep_billing_header: bool = False  # Claude Code's per-conversation system line
     response_store_mb: int = 256  # stored /v1/responses at most, oldest dropped first
     response_store_hours: float = 24.0  # and for at most this long
     rate_limits: RateLimits = RateLimits()  # per API key
+
+    @property
+    def tiers(self) -> WorkersConfig:
+        """What every model has alike from the command line, and the stored responses use
+        too: --cache-dir, --redis-url, --tenant-cache-share."""
+        return self.models[0].workers
 
 
 @dataclass(frozen=True)
@@ -77,25 +74,30 @@ class HistorySample:
 
 
 class Gateway:
-    """What the handlers share: the vocabulary (for prompts), the engine workers, and the
-    metrics. Workers start on a background thread so that /health can answer 503 meanwhile."""
+    """What the handlers share: the models served, the stored responses, the metrics. Models
+    load on a background thread so that /health can answer 503 meanwhile."""
 
     def __init__(self, config: ServerConfig, engines: Engines | None = None) -> None:
-        """`engines`: who runs the requests; this machine's engine workers by default."""
+        """`engines`: who runs the (one) model's requests; each model's own workers by
+        default."""
         self.config = config
-        self.model: Model | None = None  # vocabulary only: the weights live in the workers
-        self.prompts: PromptBuilder | None = None
-        self.workers: Engines = engines or Workers(config.workers)
-        self.load_error: str | None = None
+        self.models = [ServedModel(model, engines) for model in config.models]
+        self.load_error: str | None = None  # every model failed: the server exits
         self.responses = ResponseStore(config.response_store_mb << 20,
                                        config.response_store_hours * 3600,
-                                       config.workers.tenant_cache_share)
+                                       config.tiers.tenant_cache_share)
         self.shared_responses: SharedResponses | None = None  # with --redis-url and a key
-        self.metrics = Metrics(self.workers, self.responses)
+        self.metrics = Metrics(self.models, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
         self.history: deque[HistorySample] = deque()
         self._loaded = threading.Event()
+
+    @property
+    def default_model(self) -> ServedModel:
+        """The first --model: what the operator APIs show unless asked for another, and what
+        a Dynamo node or front serves."""
+        return self.models[0]
 
     @property
     def ready(self) -> bool:
@@ -103,55 +105,55 @@ class Gateway:
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            model_path = self.config.workers.model_path
-            self.model = Model(model_path, vocab_only=True)
-            self.prompts = PromptBuilder(self.model, self.config.chat_template)
-            self.workers.start(loop)
-            self._attach_responses(model_path)
-            log.info("serving %s as %r", model_path, self.config.model_name)
+            for model in self.models:
+                model.load(loop)
+            if not any(model.ready for model in self.models):
+                self.load_error = "; ".join(f"{m.name}: {m.load_error}" for m in self.models) \
+                    if len(self.models) > 1 else self.models[0].load_error
+                return
+            self._attach_responses()
         except Exception as exc:
-            log.exception("starting the engine workers failed")
+            log.exception("starting failed")
             self.load_error = str(exc)
         finally:
             self._loaded.set()
 
-    def _attach_responses(self, model_path: str) -> None:
+    def _attach_responses(self) -> None:
         """The stored responses of earlier runs (--cache-dir) and of other replicas (Redis)."""
-        workers = self.config.workers
-        if workers.cache_dir is None and workers.redis is None:
-            return
-        fingerprint = gguf_fingerprint(model_path)
-        if workers.cache_dir is not None:
-            n = self.responses.load(workers.cache_dir, fingerprint)
-            log.info("%d stored responses read from %s", n, workers.cache_dir)
-        if workers.redis is not None and not workers.redis.key:
+        tiers = self.config.tiers
+        if tiers.cache_dir is not None:
+            n = self.responses.load(tiers.cache_dir)
+            log.info("%d stored responses read from %s", n, tiers.cache_dir)
+        if tiers.redis is not None and not tiers.redis.key:
             log.warning("--redis-url without --redis-key: stored responses stay on this replica "
                         "(whole conversations are never put in Redis unencrypted); with "
                         "--redis-key they are shared, encrypted")
-        elif workers.redis is not None:
-            self.shared_responses = SharedResponses(workers.redis, fingerprint,
+        elif tiers.redis is not None:
+            self.shared_responses = SharedResponses(tiers.redis,
                                                     self.config.response_store_hours * 3600)
 
     def cache_totals(self) -> tuple[int, int]:
-        """(prompt tokens looked up, prompt tokens served by the cache) so far."""
-        hits = self.workers.tier_hits()
-        return hits.queried, hits.served
+        """(prompt tokens looked up, prompt tokens served by the cache) so far, every model's."""
+        hits = [model.engines.tier_hits() for model in self.models]
+        return sum(h.queried for h in hits), sum(h.served for h in hits)
 
     def sample_history(self) -> None:
         """Called every HISTORY_STEP seconds: what the figures over the last minutes read."""
         now = time.monotonic()
-        pool = self.workers.pool
-        index = pool.index.snapshot() if pool else None
+        pools = [model.engines.pool for model in self.models if model.engines.pool]
         self.history.append(HistorySample(
-            now, time.time(), *self.cache_totals(), index.evictions if index else 0,
+            now, time.time(), *self.cache_totals(),
+            sum(pool.index.snapshot().evictions for pool in pools),
             self.metrics.ttft_seconds, self.metrics.ttft_count))
         while self.history and self.history[0].at < now - HISTORY_SECONDS:
             self.history.popleft()
 
-    def cache_stats(self) -> dict:
-        pool = self.workers.pool
+    def cache_stats(self, model: ServedModel) -> dict:
+        """The model's pool, cells, pins and drafts; the hit rates and their history are every
+        model's."""
+        pool = model.require_pool()
         index, slot_bytes = pool.index.snapshot(), pool.arena.header.slot_bytes
-        snaps = [v.snapshot for v in self.workers.views()]
+        snaps = [v.snapshot for v in model.engines.views()]
         now, (queried, hit) = time.monotonic(), self.cache_totals()
 
         def hit_rate(seconds: float) -> float | None:
@@ -161,6 +163,7 @@ class Gateway:
             return (hit - past.hit) / (queried - past.queried)
 
         return {
+            "model": model.name,
             "pool": {"blocks_used": index.blocks_used, "blocks_free": index.blocks_free,
                      "blocks_held": index.blocks_held, "bytes_used": index.blocks_used * slot_bytes,
                      "bytes_capacity": (index.blocks_used + index.blocks_free) * slot_bytes},
@@ -176,33 +179,37 @@ class Gateway:
             "speculation": draft_counts(snaps),
         }
 
+    def n_in_flight(self) -> int:
+        return sum(model.engines.n_in_flight for model in self.models)
+
+    async def drain(self, seconds: float) -> None:
+        """Refuses new requests and waits up to `seconds` for those in flight, every model's
+        at once."""
+        await asyncio.gather(*(model.engines.drain(seconds) for model in self.models))
+
     def close(self) -> None:
-        self.workers.stop()
+        for model in self.models:
+            model.close()
         if self.shared_responses is not None:
             self.shared_responses.close()
-        cache_dir = self.config.workers.cache_dir
+        cache_dir = self.config.tiers.cache_dir
         if cache_dir is not None and self.ready:
             try:
-                n = self.responses.save(cache_dir,
-                                        gguf_fingerprint(self.config.workers.model_path))
+                n = self.responses.save(cache_dir)
                 log.info("%d stored responses written to %s", n, cache_dir)
             except OSError:
                 log.exception("writing the stored responses to %s failed", cache_dir)
-        if self.model:
-            self.model.close()
 
-    def require_pool(self) -> SharedPool:
-        """This process's block pool, for the cache's operator APIs (explain, admin)."""
-        if self.workers.pool is None:
-            raise APIError(404, "This server holds no prefix cache of its own: it runs with "
-                           "--no-prefix-cache, or is a front whose cache is on its Dynamo "
-                           "nodes (ask a node)", code="cache_disabled")
-        return self.workers.pool
-
-    def require_model(self, name: str) -> None:
-        if not self.ready:
+    def require_model(self, name: str) -> ServedModel:
+        """The model a request names, by its name first, then by an alias; a 404 for one not
+        served, a 503 while it loads or if it failed to."""
+        if not self._loaded.is_set():
             raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
-        if name != self.config.model_name and not any(
-                fnmatch.fnmatchcase(name, alias) for alias in self.config.model_aliases):
+        model = next((m for m in self.models if m.name == name), None) or next(
+            (m for m in self.models if m.config.answers_to(name)), None)
+        if model is None:
             raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
-
+        if model.load_error is not None:
+            raise APIError(503, f"The model `{model.name}` failed to load: {model.load_error}",
+                           "model", "model_unavailable")
+        return model

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.messages import Output, Usage
-from gateway.core.generation import Plan, outputs, running
-from gateway.core.requests import Serving
+from gateway.core.generation import Plan, outputs, running, serving
+from gateway.core.models import ServedModel
 from gateway.core.service import Gateway
 from gateway.dynamo import codec
 from gateway.dynamo.requests import PLANNED, DynamoRequest, UnsupportedRequest
@@ -34,25 +34,24 @@ class GenerationFailed(RuntimeError):
 class Generate:
     """The endpoint's handler: `generate(request, context)`, an async generator of chunks."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, model: ServedModel) -> None:
         self.gateway = gateway
-        self.stop_tokens = frozenset(int(t) for t in gateway.model.eog_tokens)
+        self.model = model
+        self.stop_tokens = frozenset(int(t) for t in model.vocab.eog_tokens)
 
     async def __call__(self, body: dict, context: Any) -> AsyncIterator[dict]:
         gateway = self.gateway
         try:
             request = DynamoRequest.of(body)
-            serving = Serving(gateway.workers.seq_len, gateway.model.n_vocab,
-                              gateway.config.limits.max_tokens, gateway.config.sampling,
-                              request.namespace)
-            plan = Plan(request.planned_generation(serving), pins=request.planned_pins(
-                gateway.config.workers.pin_hours * 3600)) if request.planned \
-                else Plan(request.to_generation(serving, self.stop_tokens))
+            asks = serving(gateway, self.model, request.namespace)
+            plan = Plan(request.planned_generation(asks), pins=request.planned_pins(
+                self.model.config.workers.pin_hours * 3600)) if request.planned \
+                else Plan(request.to_generation(asks, self.stop_tokens))
         except UnsupportedRequest as exc:
             raise GenerationFailed(f"prefixgate refused the request: {exc}") from None
         generation, whole, last = plan.generation, request.planned is not None, None
         try:
-            async with running(gateway, plan, key=None) as (handles, choices, _):
+            async with running(gateway, self.model, plan, key=None) as (handles, choices, _):
                 watcher = asyncio.ensure_future(_on_stop(context, handles))
                 try:
                     timer = gateway.metrics.request_timer(len(generation.prompt_tokens))

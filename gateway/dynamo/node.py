@@ -39,6 +39,7 @@ class NodeError(RuntimeError):
 class DynamoNode:
     def __init__(self, gateway: Gateway, settings: DynamoSettings) -> None:
         self.gateway = gateway
+        self.model = gateway.default_model  # a node serves one model (the command line's)
         self.settings = settings
         self._runtime = None
         self._tasks: list[asyncio.Future] = []  # the endpoint served, the state published
@@ -58,13 +59,13 @@ class DynamoNode:
         the node in Dynamo (`_stay`)."""
         from gateway.dynamo.vocab import VocabularyError
 
-        gateway, config = self.gateway, self.gateway.config
-        if gateway.workers.pool is None:
+        model = self.model
+        if model.engines.pool is None:
             raise NodeError("--dynamo needs the prefix cache: its KV events are the pool's "
                             "blocks (leave out --no-prefix-cache)")
-        facts = ModelFacts.of(gateway.model, gateway.workers.seq_len, config.chat_template)
+        facts = ModelFacts.of(model.vocab, model.engines.seq_len, model.config.chat_template)
         try:
-            directory = await asyncio.to_thread(model_directory, config.workers.model_path,
+            directory = await asyncio.to_thread(model_directory, model.config.workers.model_path,
                                                 facts, self.settings.model_dir)
         except VocabularyError as exc:
             raise NodeError(str(exc)) from None
@@ -86,8 +87,8 @@ class DynamoNode:
             register_model,
         )
 
-        gateway, config = self.gateway, self.gateway.config
-        pool = gateway.workers.pool
+        model, workers = self.model, self.model.config.workers
+        pool = model.engines.pool
         header = pool.arena.header
         os.environ.setdefault("ETCD_LEASE_TTL", str(LEASE_SECONDS))  # the user's setting wins
         runtime = self._runtime = distributed_runtime(asyncio.get_running_loop())
@@ -100,23 +101,23 @@ class DynamoNode:
         load = WorkerMetricsPublisher()
         await load.create_endpoint(endpoint)
         self._tasks = [
-            asyncio.ensure_future(endpoint.serve_endpoint(Generate(gateway),
+            asyncio.ensure_future(endpoint.serve_endpoint(Generate(self.gateway, model),
                                                           graceful_shutdown=True)),
             asyncio.create_task(self._publish_state(load, events, header.block_size)),
         ]
         runtime_config = ModelRuntimeConfig()
         runtime_config.total_kv_blocks = header.n_slots
-        runtime_config.max_num_seqs = config.workers.n_workers * config.workers.engine.parallel
-        runtime_config.context_length = gateway.workers.seq_len
+        runtime_config.max_num_seqs = workers.n_workers * workers.engine.parallel
+        runtime_config.context_length = model.engines.seq_len
         runtime_config.enable_local_indexer = True
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions,
-                             endpoint, str(directory), config.model_name,
+                             endpoint, str(directory), model.name,
                              worker_type=WorkerType.Aggregated,
                              kv_cache_block_size=header.block_size,
                              runtime_config=runtime_config)
         self.instance = endpoint.connection_id()
         log.info("serving %r on Dynamo at %s as instance %x: blocks of %d tokens, %d of them",
-                 config.model_name, self.settings.endpoint, self.instance, header.block_size,
+                 model.name, self.settings.endpoint, self.instance, header.block_size,
                  header.n_slots)
 
     async def _stay(self, directory: Path) -> None:
@@ -157,9 +158,10 @@ class DynamoNode:
     async def _publish_state(self, load, events: KvEvents, block_size: int) -> None:
         """What the router adds to a node's cost: the KV blocks its running sequences hold,
         and the pool's blocks in use; and the blocks of the prompts in flight."""
-        pool = self.gateway.workers.pool
+        engines = self.model.engines
+        pool = engines.pool
         while True:
-            cells = sum(v.snapshot.cells_used for v in self.gateway.workers.views())
+            cells = sum(v.snapshot.cells_used for v in engines.views())
             used = (await asyncio.to_thread(pool.index.snapshot)).blocks_used
             load.publish(active_decode_blocks=math.ceil(cells / block_size), kv_used_blocks=used)
             if self._shares_live_cells():
@@ -171,15 +173,15 @@ class DynamoNode:
         (engine/batching.py `_live_prefix`): in the default mode, for a model whose blocks are
         not stored as they are computed (a sliding window's or a recurrent state's are, so the
         tree has them already)."""
-        layout = self.gateway.workers.pool.layout
-        return not (self.gateway.config.workers.engine.deterministic or layout.window
+        layout = self.model.engines.pool.layout
+        return not (self.model.config.workers.engine.deterministic or layout.window
                     or layout.state_bytes)
 
     def _live_blocks(self, block_size: int) -> list[Block]:
         """The full blocks of the part of each prompt in flight that another request may
         share (cache.tokens `reusable_prompt`)."""
-        index, blocks = self.gateway.workers.pool.index, []
-        for namespace, prompt in self.gateway.workers.prompts_in_flight():
+        index, blocks = self.model.engines.pool.index, []
+        for namespace, prompt in self.model.engines.prompts_in_flight():
             shareable = reusable_prompt(prompt)
             shareable = shareable[: len(shareable) // block_size * block_size]
             blocks += prompt_blocks(shareable, index.chain_keys(shareable, namespace),

@@ -13,7 +13,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache.index import IndexSnapshot
@@ -23,16 +23,18 @@ from engine.speculation import SOURCES
 from gateway.edge.prefill_speed import PrefillSpeed
 
 if TYPE_CHECKING:
+    from gateway.core.engines import Engines
+    from gateway.core.models import ServedModel
     from gateway.responses.store import ResponseStore
     from gateway.workers.shared_pool import TierHits
-    from gateway.workers.supervisor import Workers, WorkerView
+    from gateway.workers.supervisor import WorkerView
 
 REFUSAL_REASONS = ("capacity", "rate_limit")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 class Metrics:
-    def __init__(self, workers: Workers, responses: ResponseStore) -> None:
+    def __init__(self, models: list[ServedModel], responses: ResponseStore) -> None:
         self.started = time.monotonic()
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("prefixgate_time_to_first_token_seconds",
@@ -63,7 +65,7 @@ class Metrics:
             "prefixgate_responses_hosted_tools_left_out",
             "Hosted tools (web_search, ...) a /v1/responses request offered, which cannot run "
             "here and were left out of the prompt", ["type"], registry=r)
-        r.register(_EngineCollector(workers))
+        r.register(_EngineCollector(models))
         entries = Gauge("prefixgate_response_store_entries",
                         "Responses stored for GET and previous_response_id", registry=r)
         entries.set_function(lambda: responses.stats[0])
@@ -114,15 +116,25 @@ class RequestTimer:
 
 
 class _EngineCollector(Collector):
-    """Reads the snapshots the workers publish after every step (their engines' state belongs
-    to their threads) and the cache index's counts. Unlabelled families are totals over the
-    workers; the `prefixgate_worker_*` families carry a `worker` label."""
+    """Reads the snapshots each model's workers publish after every step (their engines' state
+    belongs to their threads) and its cache index's counts. Every sample carries its `model`;
+    families without another label are totals over the model's workers; the
+    `prefixgate_worker_*` families carry a `worker` label."""
 
-    def __init__(self, workers: Workers) -> None:
-        self._workers = workers
+    def __init__(self, models: list[ServedModel]) -> None:
+        self._models = models
 
     def collect(self):
-        workers = self._workers
+        merged: dict[str, Metric] = {}  # one family of each name, every model's samples in it
+        for model in self._models:
+            for family in self._collect(model.engines):
+                into = merged.setdefault(family.name, Metric(
+                    family.name, family.documentation, family.type, family.unit))
+                into.samples += [s._replace(labels={"model": model.name, **s.labels})
+                                 for s in family.samples]
+        yield from merged.values()
+
+    def _collect(self, workers: Engines):
         views = workers.views()
         if not views:
             return

@@ -9,9 +9,11 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.core.generation import json_response
+from gateway.core.models import ServedModel
 from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError
+from gateway.workers.shared_pool import SharedPool
 
 CACHE_PAGE = Path(__file__).parent / "static" / "cache.html"
 HOTTEST_PREFIXES = 50  # rows of GET /v1/cache/prefixes
@@ -25,11 +27,14 @@ async def consistency(request: web.Request) -> web.Response:
     """Tree, pool, leases and workers against each other (see Workers.problems). It walks the
     whole tree under the index's lock: an operator's tool, off without --debug-key."""
     _require_debug_key(request)
-    problems = await asyncio.to_thread(request.app["gateway"].workers.problems)
+    gateway: Gateway = request.app["gateway"]
+    problems = await asyncio.to_thread(
+        lambda: [problem for model in gateway.models for problem in model.engines.problems()])
     return json_response({"ok": not problems, "problems": problems})
 
 
-def _require_admin(request: web.Request) -> Gateway:
+def _require_admin(request: web.Request) -> tuple[Gateway, ServedModel, SharedPool]:
+    """The admin key's request, for the model `?model=` names (the first served without)."""
     gateway: Gateway = request.app["gateway"]
     key = gateway.config.admin_key
     if key is None:  # no admin API at all without a key
@@ -37,8 +42,8 @@ def _require_admin(request: web.Request) -> Gateway:
     if not bearer_matches(request.headers.get("Authorization"), key):
         raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
                        code="invalid_api_key")
-    gateway.require_pool()
-    return gateway
+    model = gateway.require_model(request.query.get("model", gateway.default_model.name))
+    return gateway, model, model.require_pool()
 
 
 @routes.get("/cache")
@@ -51,30 +56,28 @@ async def cache_page(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/cache/prefixes")
 async def cached_prefixes(request: web.Request) -> web.Response:
-    gateway = _require_admin(request)
-    pool = gateway.workers.pool
+    gateway, model, pool = _require_admin(request)
     index, slot_bytes = pool.index, pool.arena.header.slot_bytes
     rows = await asyncio.to_thread(index.prefixes, HOTTEST_PREFIXES)
     for row in rows:
         tokens = row.pop("tokens")
         row.update(tokens=len(tokens), bytes=row["blocks"] * slot_bytes)
         if gateway.config.log_prompts:  # text only where prompts may be shown at all
-            row["preview"] = gateway.model.detokenize(list(tokens))[:PREVIEW_CHARS]
+            row["preview"] = model.vocab.detokenize(list(tokens))[:PREVIEW_CHARS]
     return json_response({"object": "list", "data": rows})
 
 
 @routes.delete("/v1/cache/prefixes")
 async def drop_prefixes(request: web.Request) -> web.Response:
-    gateway = _require_admin(request)
-    dropped = await asyncio.to_thread(gateway.workers.pool.index.drop,
-                                      request.query.get("namespace"))
+    _, _, pool = _require_admin(request)
+    dropped = await asyncio.to_thread(pool.index.drop, request.query.get("namespace"))
     return json_response({"dropped_blocks": dropped})
 
 
 @routes.get("/v1/cache/stats")
 async def cache_stats(request: web.Request) -> web.Response:
-    gateway = _require_admin(request)
-    return json_response(gateway.cache_stats())
+    gateway, model, _ = _require_admin(request)
+    return json_response(gateway.cache_stats(model))
 
 
 def _require_debug_key(request: web.Request) -> None:

@@ -30,6 +30,7 @@ from cache.index import namespace_hash
 from cache.tokens import COMPUTED_TAIL, resume_point
 from gateway.core.conversation import Message
 from gateway.core.generation import admit, json_response
+from gateway.core.models import ServedModel
 from gateway.core.requests import parse_request
 from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
@@ -39,6 +40,7 @@ from gateway.openai.requests import ChatCompletionRequest, CompletionRequest
 from gateway.openai.routes import chat_prompt, completion_prompt
 from gateway.responses.requests import ResponsesRequest
 from gateway.responses.routes import owner, response_prompt
+from gateway.workers.shared_pool import SharedPool
 
 CONTEXT_CHARS = 40  # of text on each side of a divergence
 FOLLOWING_TOKENS = 32  # of the cached path past it
@@ -62,12 +64,13 @@ class Found:
 @routes.post("/v1/cache/explain")
 async def explain(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
-    gateway.require_pool()
+    gateway.default_model.require_pool()  # before a key is asked for: no cache, no explain
     namespace, admin = _namespace(request, gateway)
     admit(request)
-    rendered = await _render(request, gateway)
+    model, rendered = await _render(request, gateway)
+    pool = model.require_pool()
     tokens = np.asarray(rendered.tokens, dtype=np.int32)
-    found = await asyncio.to_thread(_find, gateway, tokens, namespace)
+    found = await asyncio.to_thread(_find, model, pool, tokens, namespace)
     best = max(found.live, found.pool, found.redis or 0)
     cached = resume_point(min(best, len(tokens) - COMPUTED_TAIL)) if best else 0
     speed = gateway.metrics.prefill.tokens_per_second()
@@ -79,7 +82,7 @@ async def explain(request: web.Request) -> web.Response:
         "held": {"live": found.live, "pool": found.pool, "redis": found.redis,
                  "pinned": found.pinned},
         "cached_tokens": cached,
-        "divergence": _divergence(gateway, rendered, found, best, admin)
+        "divergence": _divergence(model, rendered, found, best, admin)
         if best < len(tokens) else None,
         "ttft": {"tokens_to_compute": to_compute,
                  "prefill_tokens_per_second": None if speed is None else round(speed, 1),
@@ -116,35 +119,43 @@ def _named(gateway: Gateway, hashed: str | None) -> str:
                       "it: ?namespace=<hash>", "namespace")
     known = {""} | ({keys.namespace(t) for t in keys.tenants.values()} if keys else set())
     named = next((n for n in known if namespace_hash(n.encode()) == hashed), None)
-    named = named if named is not None else gateway.workers.pool.index.namespace_named(hashed)
+    if named is None:  # one no key names now, that a model's pool still holds
+        held = (m.engines.pool.index.namespace_named(hashed) for m in gateway.models
+                if m.engines.pool is not None)
+        named = next((n for n in held if n is not None), None)
     if named is None:
         raise APIError(404, f"No namespace {hashed!r}", param="namespace", code="not_found")
     return named
 
 
-async def _render(request: web.Request, gateway: Gateway) -> RenderedPrompt:
-    """The prompt as the endpoint the body is for renders it."""
+async def _render(request: web.Request, gateway: Gateway
+                  ) -> tuple[ServedModel, RenderedPrompt]:
+    """The model the body names, and the prompt as the endpoint the body is for renders it."""
     raw = await request.read()
     try:
         fields = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise invalid("We could not parse the JSON body of your request") from None
     if isinstance(fields, dict) and "messages" in fields:
-        return await chat_prompt(gateway, parse_request(ChatCompletionRequest, raw))
+        body = parse_request(ChatCompletionRequest, raw)
+        model = gateway.require_model(body.model)
+        return model, await chat_prompt(model, body)
     if isinstance(fields, dict) and "input" in fields:
         body = parse_request(ResponsesRequest, raw)
-        return (await response_prompt(gateway, body, owner(request))).prompt
+        model = gateway.require_model(body.model)
+        return model, (await response_prompt(gateway, model, body, owner(request))).prompt
     if isinstance(fields, dict) and "prompt" in fields:
-        return await completion_prompt(gateway, parse_request(CompletionRequest, raw))
+        body = parse_request(CompletionRequest, raw)
+        model = gateway.require_model(body.model)
+        return model, await completion_prompt(model, body)
     raise invalid("Explain takes the body of a chat completion (messages), a completion "
                   "(prompt) or a Responses request (input)")
 
 
-def _find(gateway: Gateway, tokens: np.ndarray, namespace: str) -> Found:
+def _find(model: ServedModel, pool: SharedPool, tokens: np.ndarray, namespace: str) -> Found:
     """Blocking: the index's lock, a Redis round trip."""
-    pool = gateway.workers.pool
     report = pool.index.report(tokens, namespace)
-    live, other = gateway.workers.live_match(tokens, namespace)
+    live, other = model.engines.live_match(tokens, namespace)
     following = {"pool": report.following}
     if other is not None:
         following["live"] = other[live: live + FOLLOWING_TOKENS]
@@ -152,20 +163,20 @@ def _find(gateway: Gateway, tokens: np.ndarray, namespace: str) -> Found:
                  report.pinned_tokens, following)
 
 
-def _divergence(gateway: Gateway, rendered: RenderedPrompt, found: Found, best: int,
+def _divergence(model: ServedModel, rendered: RenderedPrompt, found: Found, best: int,
                 admin: bool) -> dict:
     """Where the longest cached path leaves the prompt: its first token no tier holds, as a
     place in the prompt's text and in its messages, with the prompt's text on both sides, and
     for the admin key the cached text that follows instead."""
     tiers = {"pool": found.pool, "live": found.live, "redis": found.redis or 0}
     source = max(tiers, key=tiers.get) if best else None  # ties: the pool, whose path we see
-    pieces = [gateway.model.token_piece(t, special=True) for t in rendered.tokens]
+    pieces = [model.vocab.token_piece(t, special=True) for t in rendered.tokens]
     text = b"".join(pieces).decode(errors="ignore")
     at = len(b"".join(pieces[:best]).decode(errors="ignore"))
     # Redis's values are not fetched; a tenant is never shown text it did not send.
     following = found.following.get(source or "pool") if admin else None
     held = None if following is None else b"".join(
-        gateway.model.token_piece(int(t), special=True) for t in following).decode(
+        model.vocab.token_piece(int(t), special=True) for t in following).decode(
         errors="ignore")[:CONTEXT_CHARS]
     where = {"token": best, "source": source, "prompt_offset": at,
              "before": text[max(0, at - CONTEXT_CHARS): at],

@@ -13,6 +13,7 @@ from engine.llama import Model
 from gateway.core import bounds
 from gateway.core.bounds import at_most
 from gateway.core.generation import admit, json_response
+from gateway.core.models import ServedModel
 from gateway.core.requests import Strict, parse_request
 from gateway.core.service import Gateway
 from gateway.edge.errors import invalid
@@ -29,12 +30,12 @@ async def tokenize(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     admit(request)
     body = await asyncio.to_thread(parse_request, TokenizeRequest, await request.read())
-    gateway.require_model(gateway.config.model_name)
-    tokens = await asyncio.to_thread(gateway.model.tokenize, body.content,
+    model = _model(gateway, body.model)
+    tokens = await asyncio.to_thread(model.vocab.tokenize, body.content,
                                      add_special=body.add_special, parse_special=True)
-    _within_token_bound(gateway, len(tokens), "content")
+    _within_token_bound(model, len(tokens), "content")
     if body.with_pieces:
-        return json_response({"tokens": await asyncio.to_thread(_pieces, gateway.model, tokens)})
+        return json_response({"tokens": await asyncio.to_thread(_pieces, model.vocab, tokens)})
     return json_response({"tokens": tokens})
 
 
@@ -45,11 +46,11 @@ async def detokenize(request: web.Request) -> web.Response:
     raw = await request.read()
     # Validating a huge list holds the GIL, thread or not: refuse it by its size first (an id
     # and its comma take at most 8 bytes with this vocabulary's 6-digit ids and a space).
-    _within_token_bound(gateway, len(raw) // 8, "tokens")
+    _within_token_bound(gateway.default_model, len(raw) // 8, "tokens")
     body = await asyncio.to_thread(parse_request, DetokenizeRequest, raw)
-    gateway.require_model(gateway.config.model_name)
-    _within_token_bound(gateway, len(body.tokens), "tokens")
-    content = await asyncio.to_thread(_detokenized, gateway.model, body.tokens)
+    model = _model(gateway, body.model)
+    _within_token_bound(model, len(body.tokens), "tokens")
+    content = await asyncio.to_thread(_detokenized, model.vocab, body.tokens)
     return json_response({"content": content})
 
 
@@ -61,14 +62,21 @@ async def apply_template(request: web.Request) -> web.Response:
     gateway: Gateway = request.app["gateway"]
     admit(request)
     body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.read())
-    text = await asyncio.to_thread(gateway.prompts.render_chat, body.messages,
+    model = gateway.require_model(body.model)
+    text = await asyncio.to_thread(model.prompts.render_chat, body.messages,
                                    body.toolbox, Reasoning.of_effort(body.reasoning_effort))
-    return json_response({"prompt": text, "format": gateway.prompts.format.name})
+    return json_response({"prompt": text, "format": model.prompts.format.name})
 
 
-def _within_token_bound(gateway: Gateway, n_tokens: int, param: str) -> None:
-    """No more tokens than a prompt of this server may have (its context, at least 64k)."""
-    bound = max(gateway.workers.seq_len, MIN_TOKENIZE_BOUND)
+def _model(gateway: Gateway, name: str | None) -> ServedModel:
+    """The model a body names (llama-server's router takes `model` there too), else the
+    first served."""
+    return gateway.require_model(gateway.default_model.name if name is None else name)
+
+
+def _within_token_bound(model: ServedModel, n_tokens: int, param: str) -> None:
+    """No more tokens than a prompt of the model may have (its context, at least 64k)."""
+    bound = max(model.engines.seq_len, MIN_TOKENIZE_BOUND)
     if n_tokens > bound:
         raise invalid(f"{n_tokens} tokens; this server tokenizes at most {bound}", param)
 
@@ -89,9 +97,11 @@ class TokenizeRequest(Strict):
     content: str
     add_special: bool = False
     with_pieces: bool = False
+    model: str | None = None  # None: the first served
 
 
 class DetokenizeRequest(Strict):
     """llama-server's /detokenize."""
 
     tokens: Annotated[list[int], at_most(bounds.TOKEN_IDS)]
+    model: str | None = None  # None: the first served

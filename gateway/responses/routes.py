@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.core.conversation import CalledFunction, CalledTool, Message
 from gateway.core.generation import Choice, generate, json_response, read_body
+from gateway.core.models import ServedModel
 from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
 from gateway.formats.prompts import RenderedPrompt, breakpoint_pins
@@ -32,9 +33,9 @@ _hosted_logged: set[str] = set()  # each hosted tool type is logged once
 @routes.post("/v1/responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
-    body = await read_body(request, ResponsesRequest)
+    body, model = await read_body(request, ResponsesRequest)
     _leave_out_hosted_tools(gateway, body)
-    context = await response_prompt(gateway, body, owner(request), with_pins=True)
+    context = await response_prompt(gateway, model, body, owner(request), with_pins=True)
     prompt = context.prompt
     body.check_compaction(len(prompt.tokens))
 
@@ -44,15 +45,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 done["id"], owner(request), done, body.input_items(),
                 [*context.turns, _answer(choice)], body.instructions, context.tools_text,
                 prompt.text + choice.text, prompt.tokens + list(choice.generated),
-                context.parent)
+                context.parent, fingerprint=model.fingerprint)
             gateway.responses.put(entry)
             if gateway.shared_responses is not None:
                 gateway.shared_responses.put(entry)
 
-    token_bytes = gateway.model.token_piece if body.logprob_count() is not None else None
+    token_bytes = model.vocab.token_piece if body.logprob_count() is not None else None
     wire = ResponsesWire(_echo(body), prompt.parser, body.namespaced(), len(prompt.tokens),
                          token_bytes, store)
-    return await generate(request, body, prompt, wire)
+    return await generate(request, model, body, prompt, wire)
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class ResponsePrompt:
     parent: StoredResponse | None  # the stored response whose conversation this one extends
 
 
-async def response_prompt(gateway: Gateway, body: ResponsesRequest, owner: str,
-                          with_pins: bool = False) -> ResponsePrompt:
+async def response_prompt(gateway: Gateway, model: ServedModel, body: ResponsesRequest,
+                          owner: str, with_pins: bool = False) -> ResponsePrompt:
     """The prompt of a Responses request, continuing the owner's stored response it names
     (POST /v1/responses and /v1/cache/explain)."""
     previous = None
@@ -75,25 +76,26 @@ async def response_prompt(gateway: Gateway, body: ResponsesRequest, owner: str,
         if previous is None:
             raise invalid(f"Previous response with id '{body.previous_response_id}' not found.",
                           "previous_response_id", "previous_response_not_found")
-    return await asyncio.to_thread(_render, gateway, body, body.toolbox(), previous, with_pins)
+    return await asyncio.to_thread(_render, model, body, body.toolbox(), previous, with_pins)
 
 
-def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
+def _render(model: ServedModel, body: ResponsesRequest, toolbox: Toolbox | None,
             previous: StoredResponse | None, with_pins: bool = False) -> ResponsePrompt:
-    """The prompt. A continuation of a stored response with the same instructions and tools
-    starts from that response's own tokens (its prompt's and its generated ones), followed by
-    the new input as the template renders the next turn: its history is never tokenized again,
-    so all of it loads from the cache, and it is stored as that response's child (what it
-    adds). Anything else is rendered afresh, and stored whole."""
+    """The prompt. A continuation of a stored response on the same model, with the same
+    instructions and tools, starts from that response's own tokens (its prompt's and its
+    generated ones), followed by the new input as the template renders the next turn: its
+    history is never tokenized again, so all of it loads from the cache, and it is stored as
+    that response's child (what it adds). Anything else (another model's tokens mean nothing
+    here) is rendered afresh from the conversation, and stored whole."""
     history = previous.conversation() if previous else None
     turns = body.turns(history)
     messages = with_instructions(turns, body.instructions)
     tools_text = toolbox.system_text() if toolbox is not None else ""
-    text = gateway.prompts.render_chat(messages, toolbox, body.reasoning_settings(), "input")
-    continued = previous is not None and previous.instructions == body.instructions \
-        and previous.tools_text == tools_text
+    text = model.prompts.render_chat(messages, toolbox, body.reasoning_settings(), "input")
+    continued = previous is not None and previous.fingerprint == model.fingerprint \
+        and previous.instructions == body.instructions and previous.tools_text == tools_text
     extended = previous if continued else None
-    tokens = _tokens(gateway, text, extended)
+    tokens = _tokens(model, text, extended)
     parent = None
     # Its history as it was (the input may add a call to the last assistant turn).
     if continued and text.startswith(previous.all_text()) \
@@ -102,25 +104,24 @@ def _render(gateway: Gateway, body: ResponsesRequest, toolbox: Toolbox | None,
 
     def cut_tokens(cut: tuple[int, int]) -> list[int]:
         cut_turns = with_instructions(body.cut(*cut).turns(history), body.instructions)
-        return _tokens(gateway, gateway.prompts.render_chat(
+        return _tokens(model, model.prompts.render_chat(
             cut_turns, toolbox, body.reasoning_settings(), "input"), extended)
 
     pins = breakpoint_pins(
         tokens, [((i, p), seconds) for i, p, seconds in body.cache_breakpoints()],
-        cut_tokens, gateway.config.workers.pin_hours * 3600) if with_pins else ()
-    prompt = RenderedPrompt(text, tokens, gateway.prompts.parser(toolbox, text), messages,
-                            pins)
+        cut_tokens, model.config.workers.pin_hours * 3600) if with_pins else ()
+    prompt = RenderedPrompt(text, tokens, model.prompts.parser(toolbox, text), messages, pins)
     return ResponsePrompt(prompt, turns, tools_text, parent)
 
 
-def _tokens(gateway: Gateway, text: str, previous: StoredResponse | None) -> list[int]:
+def _tokens(model: ServedModel, text: str, previous: StoredResponse | None) -> list[int]:
     """A rendered prompt's tokens: a continuation whose text extends the stored response's
     starts from that response's own tokens."""
     previous_text = previous.all_text() if previous else ""
     if previous is not None and text.startswith(previous_text):
-        return previous.all_tokens() + gateway.prompts.tokenize_rendered(
+        return previous.all_tokens() + model.prompts.tokenize_rendered(
             text[len(previous_text):])
-    return gateway.prompts.tokenize_rendered(text)
+    return model.prompts.tokenize_rendered(text)
 
 
 def _answer(choice: Choice) -> Message:

@@ -13,12 +13,13 @@ altered, or moved to another id) is a miss. Without `--redis-key` stored respons
 in Redis at all (whole conversations, in plain text to whoever reads Redis): each replica keeps
 its own, and the gateway says so at start.
 
-Keys `prefixgate:v3:responses:<model fingerprint>:<id>`; a value holds the stored response
-whole (its conversation from the first turn: another replica may know no parent), its owner in
-it. Writes go through one thread from a bounded queue (QUEUE_RESPONSES): never on a request's
-path, and a store when Redis is so slow that the queue is full is dropped (`dropped`, a log
-line; the replica keeps its own copy). A store is a SET NX: it never overwrites a value, so a
-delete's tombstone stays whatever store lands after it; a delete writes over whatever is there.
+Keys `prefixgate:v4:responses:<id>`; a value holds the stored response whole (its
+conversation from the first turn: another replica may know no parent), its owner and its
+model's fingerprint in it. Writes go through one thread from a bounded queue
+(QUEUE_RESPONSES): never on a request's path, and a store when Redis is so slow that the queue
+is full is dropped (`dropped`, a log line; the replica keeps its own copy). A store is a SET NX:
+it never overwrites a value, so a delete's tombstone stays whatever store lands after it; a
+delete writes over whatever is there.
 Values and tombstones expire with `--response-store-hours`.
 """
 
@@ -52,13 +53,13 @@ DELETED = object()  # what get() answers for a response deleted through any repl
 
 
 class SharedResponses:
-    def __init__(self, config: TierConfig, fingerprint: str, ttl_seconds: float) -> None:
+    def __init__(self, config: TierConfig, ttl_seconds: float) -> None:
         if not config.key:
             raise ValueError("stored responses go to Redis only encrypted, with --redis-key")
         self._aead = AESGCM(HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                                  info=b"prefixgate stored responses v3").derive(config.key))
         self._ttl = max(1, int(ttl_seconds))
-        self._prefix = f"prefixgate:v3:responses:{fingerprint}:".encode()
+        self._prefix = b"prefixgate:v4:responses:"
         self._redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout,
                                            socket_connect_timeout=config.timeout)
         self._writes = redis.Redis.from_url(config.url, socket_timeout=10,

@@ -28,8 +28,9 @@ the prefix cache's pool is bounded per tenant (--tenant-cache-share): a tenant p
 of the store makes room from its own oldest responses, and another tenant's stores take from
 those past their share before anyone else; below that, the oldest go first. With --cache-dir
 they are written there at shutdown (owner-only, as the prefix cache's snapshot: they hold
-whole conversations) and read back at start, if they were made with this very model (its GGUF
-fingerprint: their token ids mean nothing to another). With --redis-url and --redis-key every
+whole conversations) and read back at start. Each keeps the fingerprint of the model that made
+it: its token ids mean nothing to another, so a continuation on another model renders the
+conversation afresh from its messages. With --redis-url and --redis-key every
 replica reads them through Redis as well, encrypted (gateway/responses/shared_store.py); without the
 key they are never put in Redis.
 """
@@ -54,8 +55,9 @@ from gateway.core.conversation import Message
 log = logging.getLogger(__name__)
 
 FILE_NAME = "responses.json"
-# 1 kept the cache namespace, which tenants of a shared group have alike; 2 kept every turn whole
-VERSION = 3
+# 1 kept the cache namespace, which tenants of a shared group have alike; 2 kept every turn
+# whole; 3 was one model's file
+VERSION = 4
 TOKEN_TYPE = "i"  # array('i'): 4-byte token ids
 # What an entry costs beyond its fields' objects: its places in the store's two indexes (an
 # OrderedDict node and a dict slot each), its creation time and counters (measured by
@@ -79,6 +81,7 @@ class StoredResponse:
     tools_text: str  # what the tools rendered as: a continuation with other tools re-renders
     text: str  # the rendered text past the parent's (prompt's and answer's), that `tokens` hold
     tokens: array  # the token ids past the parent's
+    fingerprint: str  # the GGUF's whose token ids `tokens` holds (a chain has one model)
     parent: StoredResponse | None = None
     created: float = field(default_factory=time.time)
     n_tokens: int = 0  # in the whole conversation: the parent's and its own
@@ -97,7 +100,8 @@ class StoredResponse:
     @classmethod
     def make(cls, response_id: str, owner: str, body: dict, input_items: list[dict],
              messages: list[Message], instructions: str | None, tools_text: str, text: str,
-             tokens: list[int], parent: StoredResponse | None = None) -> StoredResponse:
+             tokens: list[int], parent: StoredResponse | None = None, *, fingerprint: str
+             ) -> StoredResponse:
         """A stored response from the whole conversation (`messages`, `text`, `tokens`): with a
         `parent`, whose own they start with, only what comes past the parent's is kept."""
         if parent is not None:
@@ -109,7 +113,7 @@ class StoredResponse:
                 tools_text = parent.tools_text
         return cls(response_id, owner, _json(body), _json(input_items),
                    _MESSAGES.dump_json(messages, exclude_none=True), instructions, tools_text,
-                   text, array(TOKEN_TYPE, tokens), parent)
+                   text, array(TOKEN_TYPE, tokens), fingerprint, parent)
 
     def _measure(self) -> int:
         """Bytes of what it holds itself; a string its parent holds too is its parent's."""
@@ -158,16 +162,17 @@ class StoredResponse:
                 "messages": orjson.Fragment(_joined([t.messages for t in turns])),
                 "instructions": self.instructions, "tools_text": self.tools_text,
                 "text": "".join(t.text for t in turns),
-                "tokens": [token for t in turns for token in t.tokens], "created": self.created}
+                "tokens": [token for t in turns for token in t.tokens],
+                "fingerprint": self.fingerprint, "created": self.created}
 
     @classmethod
     def from_json(cls, data: dict, parent: StoredResponse | None = None) -> StoredResponse:
         """Raises ValueError, KeyError, TypeError or ValidationError for what is not one."""
         messages = _json(data["messages"])
         _MESSAGES.validate_json(messages)
-        if not isinstance(data["text"], str) or not isinstance(data["owner"], str) \
-                or not isinstance(data["id"], str):
-            raise TypeError("id, owner and text are strings")
+        if not all(isinstance(data[name], str) for name in ("id", "owner", "text",
+                                                             "fingerprint")):
+            raise TypeError("id, owner, text and fingerprint are strings")
         instructions, tools_text = data["instructions"], data["tools_text"]
         if parent is not None:  # one string for the whole chain, as `make` keeps them
             instructions = parent.instructions if instructions == parent.instructions \
@@ -175,7 +180,7 @@ class StoredResponse:
             tools_text = parent.tools_text if tools_text == parent.tools_text else tools_text
         return cls(data["id"], data["owner"], _json(data["body"]),
                    _json(data["input_items"]), messages, instructions, tools_text,
-                   data["text"], array(TOKEN_TYPE, data["tokens"]), parent,
+                   data["text"], array(TOKEN_TYPE, data["tokens"]), data["fingerprint"], parent,
                    float(data["created"]))
 
 
@@ -233,7 +238,7 @@ class ResponseStore:
             self._unlist(entry)
             return True
 
-    def save(self, directory: Path, fingerprint: str) -> int:
+    def save(self, directory: Path) -> int:
         """Writes every stored response, each turn's own part once; returns how many are
         listed."""
         with self._lock:
@@ -247,12 +252,11 @@ class ResponseStore:
         records = [{**turn.to_json(whole=False), "listed": turn in listed_now,
                     "parent": places[turn.parent] if turn.parent else -1} for turn in places]
         with private_file(directory, FILE_NAME) as f:
-            f.write(orjson.dumps({"version": VERSION, "fingerprint": fingerprint,
-                                  "responses": records}))
+            f.write(orjson.dumps({"version": VERSION, "responses": records}))
         return len(listed)
 
-    def load(self, directory: Path, fingerprint: str) -> int:
-        """Reads back what `save` wrote, if this model wrote it; returns how many were
+    def load(self, directory: Path) -> int:
+        """Reads back what `save` wrote; returns how many were
         kept (the store's bounds apply as to any other). A file that does not parse whole is
         refused with a log line."""
         path = directory / FILE_NAME
@@ -260,8 +264,8 @@ class ResponseStore:
             return 0
         try:
             data = orjson.loads(path.read_bytes())
-            if data.get("version") != VERSION or data.get("fingerprint") != fingerprint:
-                raise ValueError("written by another version or for another model")
+            if data.get("version") != VERSION:
+                raise ValueError("written by another version")
             turns: list[StoredResponse] = []
             listed = []
             for record in data["responses"]:
