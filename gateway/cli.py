@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache.redis_tier import TierConfig
 from engine.config import KV_TYPE_NAMES, SPLIT_MODES, CacheConfig, EngineConfig, Offload
@@ -16,8 +16,12 @@ from gateway.config import Limits, ModelConfig, SamplingDefaults, WorkersConfig
 from gateway.dynamo.settings import DynamoSettings
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
+from gateway.presets import PresetError, Presets
 from gateway.workers.model_files import ModelsError, model_id, served_paths
 from gateway.workers.router import POLICIES, RoutingConfig
+
+if TYPE_CHECKING:
+    from gateway.core.service import ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +48,11 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--models-dir", type=Path, default=None,
                    help="serve every GGUF under this directory too, each by its file's stem "
                         "(a split GGUF, NAME-00001-of-0000N.gguf, as one model NAME)")
+    p.add_argument("--models-preset", type=Path, default=None,
+                   help="an INI file of each model's own settings, as llama-server's: a "
+                        "section per model id ([*] for all), the flags below without dashes "
+                        "(ctx-size = 8192); the command line's are what every model inherits "
+                        "(docs/models.md)")
     p.add_argument("--model-name", help="the id clients send for the first model (default: "
                                         "the file's stem)")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
@@ -218,7 +227,10 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
                    help="compute every prompt from scratch (the baseline for benchmarks)")
     p.add_argument("--cache-mb", type=int, default=CacheConfig.budget_mb,
                    help="shared-memory budget of the prefix cache's KV blocks (with several "
-                        "models, divided evenly: each has a pool of its own)")
+                        "models, divided by their --cache-share: each has a pool of its own)")
+    p.add_argument("--cache-share", type=_weight, default=1.0,
+                   help="with several models, a model's part of --cache-mb, against the "
+                        "others' (default 1: even parts; set it per model in a preset)")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size,
                    help="tokens per cached KV block")
     p.add_argument("--redis-url", default=None,
@@ -292,6 +304,13 @@ def _logging(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _weight(value: str) -> float:
+    weight = float(value)
+    if not weight > 0:
+        raise argparse.ArgumentTypeError(f"a weight is > 0, not {value}")
+    return weight
+
+
 def _share(value: str) -> float:
     share = float(value)
     if not 0 < share <= 1:
@@ -324,56 +343,68 @@ def _list_devices() -> None:
         print(f"  {device.describe()}: {device.kind}")
 
 
-def _workers_of(workers: WorkersConfig, path: Path, several: bool) -> WorkersConfig:
-    """The workers of the model in `path`. With several models, what they would share on disk
-    (the pool's shared-memory file, the --cache-dir snapshot) is each model's own, by its id."""
-    own = model_id(path)
-    arena, cache_dir = workers.arena_path, workers.cache_dir
-    if several:
-        arena = arena and arena.with_name(f"{arena.name}-{own}")
-        cache_dir = cache_dir and cache_dir / own
-    return dataclasses.replace(workers, model_path=str(path), arena_path=arena,
-                               cache_dir=cache_dir)
+def _model_flags(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The flags (without dashes) a model may set for itself in a preset: the sampling
+    defaults, its engine, its offload, and these."""
+    groups = ("sampling defaults", "engine", "GPU offload")
+    own = {"--workers", "--model-alias", "--chat-template-file", "--cache-share"}
+    return frozenset(
+        option[2:] for group in parser._action_groups if group.title.startswith(groups)
+        for action in group._group_actions for option in action.option_strings
+        if option.startswith("--") and option != "--list-devices") | {o[2:] for o in own}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str) -> None:
+    """What argparse cannot say of a model's flags alone (`model`: whose, in a message)."""
+    whose = f" (model {model})" if model else ""
     if args.deterministic and args.kv_type not in (None, "q8_0"):
-        parser.error("--deterministic keeps its guarantee with Q8_0 KV only")
+        parser.error(f"--deterministic keeps its guarantee with Q8_0 KV only{whose}")
     if args.flash_attn == "off" and (args.kv_type == "q8_0" or args.deterministic):
-        parser.error("q8_0 KV and --deterministic need flash attention")
-    if args.dynamo and args.dynamo_front:
-        parser.error("--dynamo (a node) and --dynamo-front (a front over nodes) exclude each "
-                     "other")
-    try:
-        model_paths = served_paths(args.model, args.models_dir)
-    except ModelsError as exc:
-        parser.error(str(exc))
-    if (args.dynamo or args.dynamo_front) and len(model_paths) > 1:
-        parser.error("--dynamo and --dynamo-front serve one model: give one --model")
+        parser.error(f"q8_0 KV and --deterministic need flash attention{whose}")
     if args.workers < 1:
-        parser.error("--workers must be at least 1")
+        parser.error(f"--workers must be at least 1{whose}")
     if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1 and args.top_k >= 0
             and 0 <= args.min_p <= 1):
-        parser.error("sampling defaults out of range: --temperature 0..2, --top-p (0, 1], "
-                     "--top-k >= 0, --min-p 0..1")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.list_devices:
-        _list_devices()
-        return
-    # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
-    from gateway.core.service import ServerConfig
-    from gateway.server import serve
+        parser.error(f"sampling defaults out of range{whose}: --temperature 0..2, --top-p "
+                     "(0, 1], --top-k >= 0, --min-p 0..1")
+
+
+def served_models(parser: argparse.ArgumentParser, args: argparse.Namespace
+                  ) -> list[tuple[str, Path, argparse.Namespace]]:
+    """Each model served, in order: its id, its file and its flags (the command line's, under
+    its preset's). Raises ModelsError or PresetError."""
     from gateway.workers.model_store import default_model_path
 
-    try:
-        keys = KeyRing.load(args.api_keys_file, os.environ.get("PREFIXGATE_API_KEYS"),
-                            frozenset(filter(None, args.shared_prefix_tenants.split(","))))
-    except KeyFileError as exc:
-        parser.error(str(exc))
-    model_paths = model_paths or [default_model_path()]
+    presets = Presets.read(args.models_preset, _model_flags(parser)) if args.models_preset \
+        else None
+    paths = served_paths(args.model, args.models_dir)
+    named = {path.resolve(): path for path in paths}
+    ids = {path: model_id(path) for path in paths}
+    for name, path in (presets.model_files() if presets else {}).items():
+        if not path.is_file():
+            raise ModelsError(f"--models-preset [{name}] model = {path}: no such file")
+        path = named.get(path.resolve(), path)
+        paths += [] if path in ids else [path]
+        ids[path] = name
+    paths = paths or [default_model_path()]
+    ids.setdefault(paths[0], model_id(paths[0]))
+    if args.model_name:
+        ids[paths[0]] = args.model_name
+    served = [ids[path] for path in paths]
+    if len(set(served)) < len(served):
+        raise ModelsError(f"two models would both be served as one of {served}: rename one")
+    if presets is not None:
+        presets.check_served(served)
+    inherited = dict(vars(args), model_alias=[])  # --model-alias names the first model only
+    flags = [args, *(argparse.Namespace(**inherited) for _ in paths[1:])]
+    if presets is not None:
+        flags = [presets.apply(parser, own, name) for own, name in zip(flags, served, strict=True)]
+    return list(zip(served, paths, flags, strict=True))
+
+
+def model_config(name: str, path: Path, args: argparse.Namespace, several: bool,
+                 cache_mb: int) -> ModelConfig:
+    """One model's configuration from its flags; `cache_mb`: its part of the pool."""
     engine = EngineConfig(parallel=args.parallel,
                           ctx_size=args.ctx_size or EngineConfig.ctx_size,
                           beyond_training=args.ctx_size is not None,
@@ -385,16 +416,21 @@ def main(argv: list[str] | None = None) -> None:
                           speculation=args.speculation == "on" if args.speculation
                           else None if args.flash_attn == "on" else False,
                           cache=CacheConfig(enabled=not args.no_prefix_cache,
-                                            budget_mb=args.cache_mb // len(model_paths),
-                                            block_size=args.block_size),
+                                            budget_mb=cache_mb, block_size=args.block_size),
                           offload=Offload(args.n_gpu_layers, args.device, args.split_mode,
                                           args.tensor_split, args.main_gpu,
                                           not args.no_kv_offload, args.workers))
+    # With several models, what they would share on disk (the pool's shared-memory file, the
+    # --cache-dir snapshot) is each model's own, by its id.
+    arena, cache_dir = args.shared_memory, args.cache_dir
+    if several:
+        arena = arena and arena.with_name(f"{arena.name}-{name}")
+        cache_dir = cache_dir and cache_dir / name
     workers = WorkersConfig(
-        model_path="", engine=engine, n_workers=args.workers, arena_path=args.shared_memory,
+        model_path=str(path), engine=engine, n_workers=args.workers, arena_path=arena,
         routing=RoutingConfig(args.routing, args.balance_abs_threshold,
                               args.balance_rel_threshold),
-        max_queue=args.max_queue, cache_dir=args.cache_dir,
+        max_queue=args.max_queue, cache_dir=cache_dir,
         step_timeout=args.step_timeout or None,
         pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
         tenant_cache_share=args.tenant_cache_share,
@@ -402,16 +438,35 @@ def main(argv: list[str] | None = None) -> None:
                          key=args.redis_key.encode() if args.redis_key else None)
         if args.redis_url else None,
         log_level=args.log_level)
-    template = args.chat_template_file.read_text() if args.chat_template_file else None
-    models = [ModelConfig(model_id(path), _workers_of(workers, path, len(model_paths) > 1),
-                          chat_template=template,
-                          sampling=SamplingDefaults(args.temperature, args.top_p, args.top_k,
-                                                    args.min_p))
-              for path in model_paths]
-    models[0] = dataclasses.replace(models[0], name=args.model_name or models[0].name,
-                                    aliases=tuple(args.model_alias))
-    config = ServerConfig(
-        models=tuple(models),
+    return ModelConfig(name, workers, tuple(args.model_alias),
+                       args.chat_template_file.read_text() if args.chat_template_file else None,
+                       SamplingDefaults(args.temperature, args.top_p, args.top_k, args.min_p))
+
+
+def server_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
+    """Everything `prefixgate` serves with, from its flags; parser.error when they cannot
+    be served."""
+    from gateway.core.service import ServerConfig
+
+    if args.dynamo and args.dynamo_front:
+        parser.error("--dynamo (a node) and --dynamo-front (a front over nodes) exclude each "
+                     "other")
+    try:
+        served = served_models(parser, args)
+        keys = KeyRing.load(args.api_keys_file, os.environ.get("PREFIXGATE_API_KEYS"),
+                            frozenset(filter(None, args.shared_prefix_tenants.split(","))))
+    except (ModelsError, PresetError, KeyFileError) as exc:
+        parser.error(str(exc))
+    if (args.dynamo or args.dynamo_front) and len(served) > 1:
+        parser.error("--dynamo and --dynamo-front serve one model: give one --model")
+    for name, _, flags in served:
+        _check(parser, flags, name if len(served) > 1 else "")
+    shares = sum(flags.cache_share for _, _, flags in served)
+    models = tuple(model_config(name, path, flags, len(served) > 1,
+                                int(args.cache_mb * flags.cache_share / shares))
+                   for name, path, flags in served)
+    return ServerConfig(
+        models=models,
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,
@@ -428,6 +483,20 @@ def main(argv: list[str] | None = None) -> None:
         response_store_hours=args.response_store_hours,
         rate_limits=RateLimits(args.rate_limit_rpm or None, args.rate_limit_tpm or None),
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.list_devices:
+        _list_devices()
+        return
+    # Imported late: loading llama.cpp takes a moment and `--help` should not wait for it.
+    from gateway.server import serve
+
+    config = server_config(parser, args)
     dynamo = DynamoSettings(args.dynamo_endpoint, args.dynamo_model_dir)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, dynamo if args.dynamo else None,

@@ -11,6 +11,7 @@ import anthropic
 import openai
 import pytest
 
+from gateway.cli import build_parser, server_config
 from gateway.workers.model_files import ModelsError, model_id, served_paths
 from gateway.workers.model_store import GEMMA3_270M, default_model_path, model_path
 from loadtest.gateway_process import GatewayProcess
@@ -24,6 +25,18 @@ SMOL = default_model_path().stem
 GEMMA = model_path(GEMMA3_270M).stem
 PROMPT = "The three primary colours are"
 CHAT = [{"role": "user", "content": "Name a fruit that is yellow."}]
+# The command line gives every model --ctx-size 2048; [*] takes it to 1536, Gemma's own to 1024.
+PRESET = f"""
+[*]
+ctx-size = 1536
+
+[{GEMMA}]
+ctx-size = 1024
+model-alias = gemma, gemma-*
+
+[{SMOL}]
+cache-share = 3
+"""
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -40,12 +53,16 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two(models_dir: Path):
     """Both models with one chat template (ChatML): a conversation renders to the same text on
-    each, in each one's own tokens."""
+    each, in each one's own tokens. A preset gives each its own context, Gemma an alias and
+    SmolLM2 three quarters of the pool."""
     template = models_dir / "chatml.jinja"
     template.write_text(CHATML)
+    preset = models_dir / "presets.ini"
+    preset.write_text(PRESET)
     server = GatewayProcess(default_model_path(), *ARGS, "--models-dir", str(models_dir),
                             "--model-alias", "claude-*", "--admin-key", ADMIN,
-                            "--chat-template-file", str(template))
+                            "--chat-template-file", str(template), "--cache-mb", "256",
+                            "--models-preset", str(preset))
     yield server
     server.stop()
 
@@ -175,3 +192,56 @@ def test_which_files_are_served(tmp_path):
         served_paths([given], tmp_path)
     with pytest.raises(ModelsError, match="no such file"):
         served_paths([tmp_path / "missing.gguf"], None)
+
+
+def test_each_model_has_its_preset(two):
+    client = openai_client(two)
+    assert tokenize(two, PROMPT, "gemma-3") == tokenize(two, PROMPT, GEMMA)
+    words = "colour " * 1300  # ~1300 tokens in each vocabulary: past 1024, within 1536
+    for model, fits in ((SMOL, True), (GEMMA, False)):
+        n = len(tokenize(two, words, model))
+        assert 1024 < n < 1500
+        if fits:
+            assert client.completions.create(model=model, prompt=words, max_tokens=1)
+        else:
+            with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
+                client.completions.create(model=model, prompt=words, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1536"):
+        client.completions.create(model=SMOL, prompt=words * 2, max_tokens=1)
+    capacity = {model: admin(two, "GET", f"/v1/cache/stats?model={model}", ADMIN)[1]["pool"][
+        "bytes_capacity"] for model in (SMOL, GEMMA)}
+    assert 2.7 < capacity[SMOL] / capacity[GEMMA] < 3.3  # 192 and 64 MiB of --cache-mb 256
+
+
+@pytest.mark.parametrize("preset, error", [
+    ("[*]\nport = 9\n", "[*]: 'port' is not a model's own setting"),
+    ("[nope]\nctx-size = 10\n", "[nope]: no model 'nope' is served"),
+    (f"[{SMOL}]\nctx-size = many\n", "invalid int value: 'many'"),
+    (f"[{SMOL}]\ndeterministic = maybe\n", "deterministic is a switch"),
+    (f"[{SMOL}]\nspeculation = sometimes\n", "invalid choice: 'sometimes'"),
+    ("[other]\nmodel = missing.gguf\n", "model = "),
+])
+def test_a_preset_that_cannot_be_served_is_refused_by_name(tmp_path, capsys, preset, error):
+    path = tmp_path / "presets.ini"
+    path.write_text(preset)
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        server_config(parser, parser.parse_args(["--model", str(default_model_path()),
+                                                 "--models-preset", str(path)]))
+    assert error in capsys.readouterr().err
+
+
+def test_a_preset_names_a_file_of_its_own_and_switches_its_flags(tmp_path):
+    path = tmp_path / "presets.ini"
+    path.write_text(f"[tiny]\nmodel = {model_path(GEMMA3_270M)}\nno-flash-attn = true\n"
+                    f"temperature = 0.5\n[*]\nparallel = 3\n")
+    parser = build_parser()
+    config = server_config(parser, parser.parse_args([
+        "--model", str(default_model_path()), "--models-preset", str(path),
+        "--model-alias", "claude-*", "--temperature", "0.9"]))
+    first, tiny = config.models
+    assert (first.name, tiny.name) == (SMOL, "tiny")
+    assert first.aliases == ("claude-*",) and tiny.aliases == ()
+    assert (first.sampling.temperature, tiny.sampling.temperature) == (0.9, 0.5)
+    assert first.workers.engine.flash_attn and not tiny.workers.engine.flash_attn
+    assert first.workers.engine.parallel == tiny.workers.engine.parallel == 3
