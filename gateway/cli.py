@@ -53,6 +53,17 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
                         "section per model id ([*] for all), the flags below without dashes "
                         "(ctx-size = 8192); the command line's are what every model inherits "
                         "(docs/models.md)")
+    p.add_argument("--models-max", type=int, default=None, metavar="N",
+                   help="models loaded at once at most (default: all): loading another "
+                        "unloads the least recently used idle one; those past it load on "
+                        "first use")
+    p.add_argument("--models-memory-mb", type=int, default=None, metavar="MB",
+                   help="the most memory the loaded models may take together, as estimated "
+                        "(weights, each worker's KV cells, its part of the pool); loading "
+                        "past it unloads the least recently used idle ones (default: no bound)")
+    p.add_argument("--idle-unload-seconds", "--sleep-idle-seconds", type=float, default=0,
+                   help="unload a model no request has used for this long; it loads again on "
+                        "its next request (0: never; Ollama's keep_alive)")
     p.add_argument("--model-name", help="the id clients send for the first model (default: "
                                         "the file's stem)")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
@@ -446,6 +457,7 @@ def model_config(name: str, path: Path, args: argparse.Namespace, several: bool,
 def server_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConfig:
     """Everything `prefixgate` serves with, from its flags; parser.error when they cannot
     be served."""
+    from gateway.core.models import LoadPolicy
     from gateway.core.service import ServerConfig
 
     if args.dynamo and args.dynamo_front:
@@ -457,16 +469,22 @@ def server_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                             frozenset(filter(None, args.shared_prefix_tenants.split(","))))
     except (ModelsError, PresetError, KeyFileError) as exc:
         parser.error(str(exc))
-    if (args.dynamo or args.dynamo_front) and len(served) > 1:
-        parser.error("--dynamo and --dynamo-front serve one model: give one --model")
+    if (args.dynamo or args.dynamo_front) and (len(served) > 1 or args.idle_unload_seconds):
+        parser.error("--dynamo and --dynamo-front serve one model, always loaded: give one "
+                     "--model, and no --idle-unload-seconds")
     for name, _, flags in served:
         _check(parser, flags, name if len(served) > 1 else "")
     shares = sum(flags.cache_share for _, _, flags in served)
     models = tuple(model_config(name, path, flags, len(served) > 1,
                                 int(args.cache_mb * flags.cache_share / shares))
                    for name, path, flags in served)
+    if args.models_max is not None and args.models_max < 1:
+        parser.error("--models-max must be at least 1")
     return ServerConfig(
         models=models,
+        loading=LoadPolicy(args.models_max, args.models_memory_mb and args.models_memory_mb << 20,
+                           args.idle_unload_seconds or None, args.drain_seconds,
+                           args.max_queue),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,

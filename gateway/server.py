@@ -46,15 +46,17 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "error", "error": gateway.load_error}, status=500)
     if not gateway.ready:
         return web.json_response({"status": "loading"}, status=503)
-    workers = [{**worker, "model": model.name} for model in gateway.models if model.ready
+    models = gateway.models.all
+    workers = [{**worker, "model": model.name} for model in models if model.ready
                for worker in model.engines.states()]
     n_ready = sum(w["state"] == "ready" for w in workers)
     # Degraded: a worker is being replaced, or a model failed to load; the others serve, so the
-    # instance stays in rotation. A front with no node left (gateway/dynamo/front.py) is
-    # unavailable.
-    whole = n_ready == len(workers) and all(model.ready for model in gateway.models)
-    status = "unavailable" if not n_ready else "ok" if whole else "degraded"
-    body = {"status": status, "models": {model.name: model.state for model in gateway.models},
+    # instance stays in rotation. Unavailable: models are loaded but none can serve (a front
+    # with no node left, gateway/dynamo/front.py). Models unloaded load on demand: all well.
+    whole = n_ready == len(workers) and not any(model.state == "failed" for model in models)
+    loaded = any(model.ready for model in models)
+    status = "unavailable" if loaded and not n_ready else "ok" if whole else "degraded"
+    body = {"status": status, "models": {model.name: model.state for model in models},
             "workers": workers}
     node: DynamoNode | None = request.app["dynamo"]
     if node is not None:  # what a test or an orchestrator waits on before routing through Dynamo
@@ -175,6 +177,7 @@ async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
                 gateway.sample_history()
 
     history = asyncio.create_task(keep_history())
+    idle = asyncio.create_task(gateway.models.unload_idle())
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # shut down cleanly: the KV arena is unlinked
         loop.add_signal_handler(sig, stopping.set)
@@ -192,11 +195,12 @@ async def serve(config: ServerConfig, dynamo: DynamoSettings | None = None,
         if node is not None:  # first: the frontend routes nothing more here
             await node.stop(config.drain_seconds)
         log.info("stopping: %d requests in flight get up to %.0f s to finish",
-                 gateway.n_in_flight(), config.drain_seconds)
-        await gateway.drain(config.drain_seconds)
+                 gateway.models.n_in_flight(), config.drain_seconds)
+        await gateway.models.drain(config.drain_seconds)
     finally:
         await loading
         history.cancel()
+        idle.cancel()
         await loop.run_in_executor(None, gateway.close)  # streams still open hear the 503
         await runner.cleanup()
         log.info("stopped after %.0f s", time.monotonic() - gateway.metrics.started)

@@ -180,6 +180,17 @@ async def generate(request: web.Request, model: ServedModel, body: Generating,
     limits = gateway.config.limits
     prompt_tokens = prompt.tokens
     admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
+    # The model loaded first, if it is not (the request waits, as in a queue: its plan reads
+    # the model's context), and never unloaded while the request holds it.
+    async with gateway.models.serving(model, limits.request_timeout):
+        return await _generate(request, model, body, prompt, wire)
+
+
+async def _generate(request: web.Request, model: ServedModel, body: Generating,
+                    prompt: RenderedPrompt, wire: Wire) -> web.StreamResponse:
+    gateway: Gateway = request.app["gateway"]
+    limits = gateway.config.limits
+    prompt_tokens = prompt.tokens
     # Building a grammar from a schema takes time: off the event loop the streams share.
     planned = await asyncio.to_thread(_plan, request, model, body, prompt)
     generation = _in_format(model, planned.generation, wire)
@@ -212,11 +223,11 @@ async def generate(request: web.Request, model: ServedModel, body: Generating,
 @contextlib.asynccontextmanager
 async def running(gateway: Gateway, model: ServedModel, plan: Plan, key: str | None
                   ) -> AsyncIterator[tuple[list[GenerationHandle], list[Choice], Held]]:
-    """A planned request in flight on the model's workers, whatever API it came by: the Redis tier,
-    drafts and routing read first, its pins set, and on the way out its sequences freed
-    (whether or not its client stayed), its tokens charged to `key`'s rate and its pins set
-    again for what it stored. Yields its handles, a Choice for each, and what the cache held
-    for it."""
+    """A planned request in flight on the model's workers (loaded: Models.serving), whatever
+    API it came by: the Redis tier, drafts and routing read first, its pins set, and on the way
+    out its sequences freed (whether or not its client stayed), its tokens charged to `key`'s
+    rate and its pins set again for what it stored. Yields its handles, a Choice for each, and
+    what the cache held for it."""
     pool = model.engines.pool
     # The index's lock is taken by the workers' reader threads too: the event loop never waits
     # for it (nor for Redis), every call to the index is made on a thread.

@@ -1,17 +1,39 @@
-"""The models a gateway serves, each by its name: its vocabulary (prompts are rendered and
-tokenized in the HTTP process), its engines (the worker processes that hold its weights, its
-contexts and its own block pool), and whether it has loaded. Every API routes a request by its
-`model` to one of them (Gateway.require_model) and reads what the request needs of the model
-(its template, its context's length, its pool) there."""
+"""The models a gateway serves, each by its name, and which of them are loaded.
+
+A model's vocabulary (prompts are rendered and tokenized in the HTTP process) is read at start
+for every model: it is small, and counting tokens or rendering a template never waits for
+weights. Its engines (the worker processes that hold its weights, its contexts and its own block
+pool) are loaded on first use and unloaded when idle or to make room, as llama-server's router
+and Ollama do:
+
+- `--models-max` models loaded at once at most, and their estimated memory (weights, each
+  worker's KV cells, their part of the pool) within `--models-memory-mb`: loading one past
+  either unloads the least recently used model that no request holds; while every loaded model
+  is in use, the load waits for one to come free.
+- `--idle-unload-seconds`: a model no request has used for that long is unloaded.
+- A model is never unloaded under a request: a request holds its model from the moment it is
+  admitted to its last output (`Models.serving`); an unload lets those finish (up to
+  `--drain-seconds`) before it stops the workers. Requests that arrive meanwhile wait for the
+  model to load again.
+- A request for a model that is not loaded waits for it (up to the request timeout, a 504, as
+  any wait; more than --max-queue waiting, a 429); one that failed to load is a 503 naming the
+  model and the cause (POST /models/load tries again), and the other models serve on.
+
+State changes happen on the event loop; the blocking parts (starting and stopping workers) run
+on threads."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from cache.fingerprint import gguf_fingerprint
-from engine.llama import Model
+from engine.llama import Model, model_shape
 from gateway.config import ModelConfig
 from gateway.core.engines import Engines
 from gateway.edge.errors import APIError
@@ -21,56 +43,301 @@ from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)
 
+IDLE_CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    max_loaded: int | None = None  # models loaded at once; None: no bound
+    memory_bytes: int | None = None  # their estimated memory together; None: no bound
+    idle_seconds: float | None = None  # unloaded after this long unused; None: never
+    drain_seconds: float = 30.0  # how long an unload lets the requests in flight finish
+    max_waiting: int = 128  # requests waiting for one model to load
+
 
 class ServedModel:
     def __init__(self, config: ModelConfig, engines: Engines | None = None) -> None:
-        """`engines`: who runs its requests; engine workers of its own by default."""
+        """`engines`: who runs its requests (a Dynamo front's nodes, always there); engine
+        workers of its own, started at each load, by default."""
         self.config = config
         self.name = config.name
         self.vocab: Model | None = None  # vocabulary only: the weights live in the workers
         self.prompts: PromptBuilder | None = None
+        self._own_engines = engines is None
         self.engines: Engines = engines or Workers(config.workers)
-        # Its GGUF's: what its token ids mean (stored responses keep it beside theirs).
-        self.fingerprint = ""
+        self.fingerprint = ""  # its GGUF's: what its token ids mean
+        self.memory_bytes = 0  # estimated, loaded: weights, its workers' KV, its pool
+        self.state = "unloaded"  # loading | loaded | unloading | failed
         self.load_error: str | None = None
-        self._loaded = threading.Event()
+        self.in_use = 0  # requests holding it
+        self.waiting = 0  # requests waiting for it to load
+        self.last_used = 0.0  # monotonic
+        self.loads = self.unloads = 0
+        self.load_seconds = 0.0  # all its loads' together
 
     @property
     def ready(self) -> bool:
-        return self._loaded.is_set() and self.load_error is None
+        return self.state == "loaded"
 
-    @property
-    def state(self) -> str:
-        """As /v1/models lists it (llama-server's router's words)."""
-        if not self._loaded.is_set():
-            return "loading"
-        return "failed" if self.load_error else "loaded"
+    def open(self) -> None:
+        """Blocking: its vocabulary, template and fingerprint, and what loading it will take."""
+        path, engine = self.config.workers.model_path, self.config.workers.engine
+        self.vocab = Model(path, vocab_only=True)
+        self.prompts = PromptBuilder(self.vocab, self.config.chat_template)
+        self.fingerprint = gguf_fingerprint(path)
+        shape = model_shape(path, engine.ctx_size, engine.kv_type or "f16")
+        kv = shape.n_layer * shape.kv_bytes_per_layer * self.config.workers.n_workers
+        pool = engine.cache.budget_mb << 20 if engine.cache.enabled else 0
+        self.memory_bytes = shape.weight_bytes + kv + pool
 
-    def load(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On a thread: the vocabulary, then the engines, until they serve or fail (the
-        failure is kept, for its requests' errors and /v1/models)."""
-        path = self.config.workers.model_path
-        try:
-            self.vocab = Model(path, vocab_only=True)
-            self.prompts = PromptBuilder(self.vocab, self.config.chat_template)
-            self.fingerprint = gguf_fingerprint(path)
-            self.engines.start(loop)
-            log.info("serving %s as %r", path, self.name)
-        except Exception as exc:
-            log.exception("starting the model %r (%s) failed", self.name, path)
-            self.load_error = str(exc)
-        finally:
-            self._loaded.set()
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Blocking: its engines, until they serve (or raise why not)."""
+        if self.vocab is None:  # it could not be read at start
+            self.open()
+        if self._own_engines:  # a stopped supervisor does not start again: a new one
+            self.engines = Workers(self.config.workers)
+        self.engines.start(loop)
+        self.loads += 1
 
     def require_pool(self) -> SharedPool:
         """Its block pool, for the cache's operator APIs (explain, admin)."""
         if self.engines.pool is None:
-            raise APIError(404, "This server holds no prefix cache of its own: it runs with "
-                           "--no-prefix-cache, or is a front whose cache is on its Dynamo "
-                           "nodes (ask a node)", code="cache_disabled")
+            raise APIError(404, "This server holds no prefix cache of its own here: it runs "
+                           "with --no-prefix-cache, the model is not loaded, or it is a front "
+                           "whose cache is on its Dynamo nodes (ask a node)",
+                           code="cache_disabled")
         return self.engines.pool
 
     def close(self) -> None:
-        self.engines.stop()
+        if self.state in ("loaded", "unloading"):
+            self.engines.stop()
         if self.vocab is not None:
             self.vocab.close()
+
+
+class Models:
+    """Every served model, and the loading and unloading of their engines (the module's
+    docstring has the rules)."""
+
+    def __init__(self, models: list[ServedModel], policy: LoadPolicy) -> None:
+        self.all = models
+        self.policy = policy
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()  # replaced at each change: waiters wake and look again
+        self._deciding = asyncio.Lock()  # one load's room made at a time
+        self._loads: dict[str, asyncio.Task] = {}
+        self._opened = threading.Event()
+
+    def find(self, name: str) -> ServedModel:
+        """The model a request names (`named`); a 503 for one that failed to load."""
+        model = self.named(name)
+        if model.state == "failed":
+            raise _failed(model)
+        return model
+
+    def named(self, name: str) -> ServedModel:
+        """The model `name` names, by its name first, then by an alias; a 404 for one not
+        served, a 503 while the gateway starts."""
+        if not self._opened.is_set():
+            raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
+        model = next((m for m in self.all if m.name == name), None) or next(
+            (m for m in self.all if m.config.answers_to(name)), None)
+        if model is None:
+            raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
+        return model
+
+    # ----- start and stop -------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> list[str]:
+        """On a thread, at start: every vocabulary, then the engines of the models that fit, in
+        order (none unloaded for another). Returns why each that should have loaded failed."""
+        self._loop = loop
+        failures = []
+        try:
+            for model in self.all:
+                try:
+                    model.open()
+                except Exception as exc:  # not a GGUF, say: that model only
+                    log.error("reading the model %r (%s) failed: %s", model.name,
+                              model.config.workers.model_path, exc)
+                    model.state, model.load_error = "failed", str(exc)
+                    failures.append(f"{model.name}: {exc}")
+            for model in self.all:
+                if model.state == "unloaded" and self._fits(model, self._loaded()):
+                    model.state = "loading"
+                    self._start(model, loop)
+                    if model.load_error:
+                        failures.append(f"{model.name}: {model.load_error}")
+        finally:  # requests are routed from now on (those before were told to retry)
+            self._opened.set()
+        return failures
+
+    def _start(self, model: ServedModel, loop: asyncio.AbstractEventLoop) -> None:
+        """Blocking: loads its engines; its state says how it went."""
+        started = time.monotonic()
+        try:
+            model.start(loop)
+        except Exception as exc:
+            log.exception("loading the model %r (%s) failed", model.name,
+                          model.config.workers.model_path)
+            model.engines.stop()  # whatever of it had started
+            model.state, model.load_error = "failed", str(exc)
+        else:
+            model.state, model.load_error, model.last_used = "loaded", None, time.monotonic()
+            model.load_seconds += time.monotonic() - started
+            log.info("loaded %r (%s) in %.1f s; %d model(s) loaded", model.name,
+                     model.config.workers.model_path, time.monotonic() - started,
+                     len(self._loaded()))
+
+    def close(self) -> None:
+        for model in self.all:
+            model.close()
+
+    def n_in_flight(self) -> int:
+        return sum(model.engines.n_in_flight for model in self._loaded())
+
+    async def drain(self, seconds: float) -> None:
+        await asyncio.gather(*(model.engines.drain(seconds) for model in self._loaded()))
+
+    # ----- requests -------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serving(self, model: ServedModel, timeout: float | None
+                      ) -> AsyncIterator[ServedModel]:
+        """Holds `model` loaded for a request's lifetime, loading it first if it is not;
+        `timeout`: how long the request may wait for that."""
+        if model.state != "loaded":
+            if model.waiting >= self.policy.max_waiting:
+                raise APIError(429, f"{model.waiting} requests wait for the model "
+                               f"`{model.name}` to load; retry shortly",
+                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            model.waiting += 1
+            try:
+                await asyncio.wait_for(self._until_loaded(model), timeout)
+            except TimeoutError:
+                raise APIError(504, f"The model `{model.name}` did not load within "
+                               f"{timeout:.0f} s", code="timeout") from None
+            finally:
+                model.waiting -= 1
+        model.in_use += 1
+        model.last_used = time.monotonic()
+        try:
+            yield model
+        finally:
+            model.in_use -= 1
+            model.last_used = time.monotonic()
+            self._notify()
+
+    async def ensure_loaded(self, model: ServedModel) -> None:
+        """Loads it if it is not (one that failed is tried again); a 503 if it cannot."""
+        if model.state == "failed":
+            model.state = "unloaded"
+        await self._until_loaded(model)
+
+    async def _until_loaded(self, model: ServedModel) -> None:
+        while model.state != "loaded":
+            if model.state == "failed":
+                raise _failed(model)
+            if model.state == "unloaded":
+                self.load_soon(model)
+            await self._change()
+
+    # ----- loading and unloading ------------------------------------------------------------------
+
+    def load_soon(self, model: ServedModel) -> asyncio.Task:
+        """Its load, begun once however many ask."""
+        task = self._loads.get(model.name)
+        if task is None or task.done():
+            task = self._loads[model.name] = asyncio.create_task(self.load(model))
+        return task
+
+    async def load(self, model: ServedModel) -> None:
+        """Makes room for it (unloading the least recently used idle models), then loads it;
+        a failure is kept in its state."""
+        if model.state in ("loaded", "loading"):
+            return
+        async with self._deciding:
+            if model.memory_bytes > (self.policy.memory_bytes or model.memory_bytes):
+                model.state = "failed"
+                model.load_error = (f"it needs about {model.memory_bytes >> 20} MiB, past "
+                                    f"--models-memory-mb {self.policy.memory_bytes >> 20}")
+                self._notify()
+                return
+            while not self._fits(model, self._loaded()):
+                victim = self._least_recently_used_idle(model)
+                if victim is None:  # every loaded model serves someone: wait for one
+                    await self._change()
+                    continue
+                log.info("unloading %r to make room for %r", victim.name, model.name)
+                await self._unload(victim)
+            model.state, model.load_error = "loading", None
+            self._notify()
+        try:
+            await asyncio.to_thread(self._start, model, self._loop)
+        finally:  # whatever happened, its waiters look again (a cancelled load: failed)
+            if model.state == "loading":
+                model.state, model.load_error = "failed", "its load was interrupted"
+            self._notify()
+
+    async def unload(self, model: ServedModel) -> None:
+        """Lets the requests holding it finish (up to the drain time), then stops its
+        workers; requests arriving meanwhile wait for it to load again."""
+        async with self._deciding:
+            await self._unload(model)
+
+    async def _unload(self, model: ServedModel) -> None:
+        if model.state != "loaded" or not model._own_engines:
+            return
+        model.state = "unloading"
+        self._notify()
+        deadline = time.monotonic() + self.policy.drain_seconds
+        while model.in_use and time.monotonic() < deadline:
+            await self._change(timeout=deadline - time.monotonic())
+        await asyncio.to_thread(model.engines.stop)
+        model.state = "unloaded"
+        model.unloads += 1
+        log.info("unloaded %r", model.name)
+        self._notify()
+
+    async def unload_idle(self) -> None:
+        """Runs for the server's lifetime: unloads what has been idle too long."""
+        idle = self.policy.idle_seconds
+        while idle:
+            await asyncio.sleep(min(IDLE_CHECK_SECONDS, idle))
+            now = time.monotonic()
+            for model in self._loaded():
+                if not model.in_use and not model.waiting and now - model.last_used > idle:
+                    log.info("%r was idle for %.0f s", model.name, now - model.last_used)
+                    await self.unload(model)
+
+    # ----- what fits ------------------------------------------------------------------------------
+
+    def _loaded(self) -> list[ServedModel]:
+        return [m for m in self.all if m.state in ("loading", "loaded", "unloading")]
+
+    def _fits(self, model: ServedModel, loaded: list[ServedModel]) -> bool:
+        others = [m for m in loaded if m is not model]
+        policy = self.policy
+        return (policy.max_loaded is None or len(others) < policy.max_loaded) and (
+            policy.memory_bytes is None
+            or sum(m.memory_bytes for m in others) + model.memory_bytes <= policy.memory_bytes)
+
+    def _least_recently_used_idle(self, model: ServedModel) -> ServedModel | None:
+        # A model requests wait for is theirs as soon as it loads: never taken from them
+        # before they run (two models would take turns evicting each other, serving none).
+        idle = [m for m in self.all if m.state == "loaded" and m is not model and not m.in_use
+                and not m.waiting and m._own_engines]
+        return min(idle, key=lambda m: m.last_used, default=None)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _change(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+def _failed(model: ServedModel) -> APIError:
+    return APIError(503, f"The model `{model.name}` failed to load: {model.load_error}", "model",
+                    "model_unavailable")

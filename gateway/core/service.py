@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from gateway.config import Limits, ModelConfig, WorkersConfig
 from gateway.core.engines import Engines
-from gateway.core.models import ServedModel
+from gateway.core.models import LoadPolicy, Models, ServedModel
 from gateway.edge.auth import KeyRing
-from gateway.edge.errors import APIError
 from gateway.edge.metrics import Metrics, draft_counts
 from gateway.edge.ratelimit import RateLimiter, RateLimits
 from gateway.responses.shared_store import SharedResponses
@@ -29,6 +28,7 @@ HISTORY_STEP, HISTORY_SECONDS = 10.0, 900.0  # the hit-rate history: a sample ea
 @dataclass
 class ServerConfig:
     models: tuple[ModelConfig, ...]  # the first is what the operator APIs show unless asked
+    loading: LoadPolicy = LoadPolicy()  # which models are loaded at once, and for how long
     host: str = "127.0.0.1"
     port: int = 8000
     drain_seconds: float = 30.0  # on SIGTERM, how long requests in flight may finish
@@ -81,13 +81,14 @@ class Gateway:
         """`engines`: who runs the (one) model's requests; each model's own workers by
         default."""
         self.config = config
-        self.models = [ServedModel(model, engines) for model in config.models]
-        self.load_error: str | None = None  # every model failed: the server exits
+        self.models = Models([ServedModel(model, engines) for model in config.models],
+                             config.loading)
+        self.load_error: str | None = None  # no model could load: the server exits
         self.responses = ResponseStore(config.response_store_mb << 20,
                                        config.response_store_hours * 3600,
                                        config.tiers.tenant_cache_share)
         self.shared_responses: SharedResponses | None = None  # with --redis-url and a key
-        self.metrics = Metrics(self.models, self.responses)
+        self.metrics = Metrics(self.models.all, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
         self.history: deque[HistorySample] = deque()
@@ -97,7 +98,7 @@ class Gateway:
     def default_model(self) -> ServedModel:
         """The first --model: what the operator APIs show unless asked for another, and what
         a Dynamo node or front serves."""
-        return self.models[0]
+        return self.models.all[0]
 
     @property
     def ready(self) -> bool:
@@ -105,11 +106,10 @@ class Gateway:
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            for model in self.models:
-                model.load(loop)
-            if not any(model.ready for model in self.models):
-                self.load_error = "; ".join(f"{m.name}: {m.load_error}" for m in self.models) \
-                    if len(self.models) > 1 else self.models[0].load_error
+            failures = self.models.start(loop)
+            if failures and not any(model.ready for model in self.models.all):
+                self.load_error = "; ".join(failures) if len(self.models.all) > 1 \
+                    else self.default_model.load_error
                 return
             self._attach_responses()
         except Exception as exc:
@@ -134,13 +134,13 @@ class Gateway:
 
     def cache_totals(self) -> tuple[int, int]:
         """(prompt tokens looked up, prompt tokens served by the cache) so far, every model's."""
-        hits = [model.engines.tier_hits() for model in self.models]
+        hits = [model.engines.tier_hits() for model in self.models.all]
         return sum(h.queried for h in hits), sum(h.served for h in hits)
 
     def sample_history(self) -> None:
         """Called every HISTORY_STEP seconds: what the figures over the last minutes read."""
         now = time.monotonic()
-        pools = [model.engines.pool for model in self.models if model.engines.pool]
+        pools = [model.engines.pool for model in self.models.all if model.engines.pool]
         self.history.append(HistorySample(
             now, time.time(), *self.cache_totals(),
             sum(pool.index.snapshot().evictions for pool in pools),
@@ -179,17 +179,8 @@ class Gateway:
             "speculation": draft_counts(snaps),
         }
 
-    def n_in_flight(self) -> int:
-        return sum(model.engines.n_in_flight for model in self.models)
-
-    async def drain(self, seconds: float) -> None:
-        """Refuses new requests and waits up to `seconds` for those in flight, every model's
-        at once."""
-        await asyncio.gather(*(model.engines.drain(seconds) for model in self.models))
-
     def close(self) -> None:
-        for model in self.models:
-            model.close()
+        self.models.close()
         if self.shared_responses is not None:
             self.shared_responses.close()
         cache_dir = self.config.tiers.cache_dir
@@ -201,15 +192,5 @@ class Gateway:
                 log.exception("writing the stored responses to %s failed", cache_dir)
 
     def require_model(self, name: str) -> ServedModel:
-        """The model a request names, by its name first, then by an alias; a 404 for one not
-        served, a 503 while it loads or if it failed to."""
-        if not self._loaded.is_set():
-            raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
-        model = next((m for m in self.models if m.name == name), None) or next(
-            (m for m in self.models if m.config.answers_to(name)), None)
-        if model is None:
-            raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
-        if model.load_error is not None:
-            raise APIError(503, f"The model `{model.name}` failed to load: {model.load_error}",
-                           "model", "model_unavailable")
-        return model
+        """The model a request names (Models.find)."""
+        return self.models.find(name)

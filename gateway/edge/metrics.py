@@ -66,6 +66,7 @@ class Metrics:
             "Hosted tools (web_search, ...) a /v1/responses request offered, which cannot run "
             "here and were left out of the prompt", ["type"], registry=r)
         r.register(_EngineCollector(models))
+        r.register(_ModelsCollector(models))
         entries = Gauge("prefixgate_response_store_entries",
                         "Responses stored for GET and previous_response_id", registry=r)
         entries.set_function(lambda: responses.stats[0])
@@ -151,6 +152,42 @@ class _EngineCollector(Collector):
         yield from _tiers(workers.tier_hits(), pool.tier_stats(), pool.tier_skipping())
         yield from _pool(pool.index.snapshot(), pool.index.block_size,
                          pool.arena.header.slot_bytes)
+
+
+class _ModelsCollector(Collector):
+    """Each model's state, loads and unloads (gateway/core/models.py)."""
+
+    STATES = ("loaded", "loading", "unloaded", "unloading", "failed")
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        self._models = models
+
+    def collect(self):
+        state = GaugeMetricFamily("prefixgate_model_state", "1 for the state each model is in",
+                                  labels=["model", "state"])
+        loads = CounterMetricFamily("prefixgate_model_loads", "Times a model was loaded",
+                                    labels=["model"])
+        unloads = CounterMetricFamily("prefixgate_model_unloads",
+                                      "Times a model was unloaded (idle, for room, or asked)",
+                                      labels=["model"])
+        seconds = CounterMetricFamily("prefixgate_model_load_seconds",
+                                      "Time spent loading a model, all its loads together",
+                                      labels=["model"])
+        memory = GaugeMetricFamily("prefixgate_model_memory_estimate_bytes",
+                                   "What a model takes loaded, as estimated for "
+                                   "--models-memory-mb: weights, KV cells, its pool",
+                                   labels=["model"])
+        waiting = GaugeMetricFamily("prefixgate_model_requests_waiting",
+                                    "Requests waiting for a model to load", labels=["model"])
+        for model in self._models:
+            for name in self.STATES:
+                state.add_metric([model.name, name], 1 if model.state == name else 0)
+            loads.add_metric([model.name], model.loads)
+            unloads.add_metric([model.name], model.unloads)
+            seconds.add_metric([model.name], model.load_seconds)
+            memory.add_metric([model.name], model.memory_bytes)
+            waiting.add_metric([model.name], model.waiting)
+        yield from (state, loads, unloads, seconds, memory, waiting)
 
 
 def _engine_totals(snaps: list[EngineSnapshot]):

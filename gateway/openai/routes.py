@@ -28,7 +28,7 @@ async def list_models(request: web.Request) -> web.Response:
         {"id": model.name, "object": "model", "created": 0, "owned_by": "prefixgate",
          "status": {"value": model.state} | ({"error": model.load_error}
                                               if model.load_error else {})}
-        for model in gateway.models]})
+        for model in gateway.models.all]})
 
 
 @routes.post("/v1/chat/completions")

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from gateway.core.generation import json_response
 from gateway.core.models import ServedModel
+from gateway.core.requests import Strict, parse_request
 from gateway.core.service import Gateway
 from gateway.edge.auth import bearer_matches
 from gateway.edge.errors import APIError
@@ -29,21 +30,52 @@ async def consistency(request: web.Request) -> web.Response:
     _require_debug_key(request)
     gateway: Gateway = request.app["gateway"]
     problems = await asyncio.to_thread(
-        lambda: [problem for model in gateway.models for problem in model.engines.problems()])
+        lambda: [problem for model in gateway.models.all for problem in model.engines.problems()])
     return json_response({"ok": not problems, "problems": problems})
 
 
-def _require_admin(request: web.Request) -> tuple[Gateway, ServedModel, SharedPool]:
-    """The admin key's request, for the model `?model=` names (the first served without)."""
+def _require_admin_key(request: web.Request) -> Gateway:
     gateway: Gateway = request.app["gateway"]
     key = gateway.config.admin_key
     if key is None:  # no admin API at all without a key
         raise web.HTTPNotFound()
     if not bearer_matches(request.headers.get("Authorization"), key):
-        raise APIError(401, "The cache admin API needs the admin key (--admin-key)",
+        raise APIError(401, "The admin API needs the admin key (--admin-key)",
                        code="invalid_api_key")
+    return gateway
+
+
+def _require_admin(request: web.Request) -> tuple[Gateway, ServedModel, SharedPool]:
+    """The admin key's request, for the model `?model=` names (the first served without)."""
+    gateway = _require_admin_key(request)
     model = gateway.require_model(request.query.get("model", gateway.default_model.name))
     return gateway, model, model.require_pool()
+
+
+@routes.post("/models/load")
+async def load_model(request: web.Request) -> web.Response:
+    """llama-server's router's: loads the model (making room as a request would), and answers
+    once it serves, or why it could not."""
+    gateway, model = await _admin_model(request)
+    await gateway.models.ensure_loaded(model)
+    return json_response({"success": True, "model": model.name, "status": model.state})
+
+
+@routes.post("/models/unload")
+async def unload_model(request: web.Request) -> web.Response:
+    """Lets the requests holding the model finish (--drain-seconds), then unloads it."""
+    gateway, model = await _admin_model(request)
+    await gateway.models.unload(model)
+    return json_response({"success": True, "model": model.name, "status": model.state})
+
+
+async def _admin_model(request: web.Request) -> tuple[Gateway, ServedModel]:
+    gateway = _require_admin_key(request)
+    return gateway, gateway.models.named(parse_request(ModelName, await request.read()).model)
+
+
+class ModelName(Strict):
+    model: str
 
 
 @routes.get("/cache")

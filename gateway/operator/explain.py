@@ -120,7 +120,7 @@ def _named(gateway: Gateway, hashed: str | None) -> str:
     known = {""} | ({keys.namespace(t) for t in keys.tenants.values()} if keys else set())
     named = next((n for n in known if namespace_hash(n.encode()) == hashed), None)
     if named is None:  # one no key names now, that a model's pool still holds
-        held = (m.engines.pool.index.namespace_named(hashed) for m in gateway.models
+        held = (m.engines.pool.index.namespace_named(hashed) for m in gateway.models.all
                 if m.engines.pool is not None)
         named = next((n for n in held if n is not None), None)
     if named is None:

@@ -1,0 +1,149 @@
+"""Which models gateway/core/models.py `Models` keeps loaded, on fake models (their engines
+start and stop at once): the real loads are tests/test_model_loading.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.config import ModelConfig
+from gateway.core.models import LoadPolicy, Models
+from gateway.edge.errors import APIError
+
+
+def run(test):
+    """An async test, run on its own event loop."""
+    @functools.wraps(test)
+    def sync() -> None:
+        asyncio.run(test())
+    return sync
+
+
+class FakeEngines:
+    n_in_flight = 0
+
+    def stop(self) -> None:
+        pass
+
+
+class FakeModel:
+    """What Models reads and calls of a ServedModel."""
+
+    def __init__(self, name: str, memory_mb: int = 10) -> None:
+        self.name = name
+        self.config = ModelConfig(name, SimpleNamespace(model_path=f"{name}.gguf"))  # type: ignore[arg-type]
+        self.memory_bytes = memory_mb << 20
+        self.state, self.load_error = "unloaded", None
+        self.in_use = self.waiting = self.loads = self.unloads = 0
+        self.last_used = self.load_seconds = 0.0
+        self.engines = FakeEngines()
+        self._own_engines = True
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "loaded"
+
+    def open(self) -> None:
+        pass
+
+    def start(self, loop) -> None:
+        self.loads += 1
+
+    def close(self) -> None:
+        pass
+
+
+def catalogue(policy: LoadPolicy, *models: FakeModel) -> Models:
+    models_ = Models(list(models), policy)  # type: ignore[arg-type]
+    models_._opened.set()
+    models_._loop = asyncio.get_running_loop()
+    return models_
+
+
+async def use(models: Models, model: FakeModel) -> None:
+    async with models.serving(model, timeout=30):  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+
+
+def loaded(*models: FakeModel) -> list[str]:
+    return [m.name for m in models if m.state == "loaded"]
+
+
+@run
+async def test_the_least_recently_used_idle_model_makes_room():
+    a, b, c = FakeModel("a"), FakeModel("b"), FakeModel("c")
+    models = catalogue(LoadPolicy(max_loaded=2), a, b, c)
+    await use(models, a)
+    await use(models, b)
+    await use(models, a)  # b is now the least recently used
+    await use(models, c)
+    assert loaded(a, b, c) == ["a", "c"]
+    assert (a.loads, b.loads, c.loads) == (1, 1, 1)
+
+
+@run
+async def test_the_memory_budget_holds_and_a_model_past_it_fails_by_name():
+    a, b, huge = FakeModel("a", 60), FakeModel("b", 60), FakeModel("huge", 200)
+    models = catalogue(LoadPolicy(memory_bytes=100 << 20), a, b, huge)
+    await use(models, a)
+    await use(models, b)
+    assert loaded(a, b, huge) == ["b"]
+    with pytest.raises(APIError, match="`huge` failed to load: it needs about 200 MiB, past "
+                                       "--models-memory-mb 100"):
+        await use(models, huge)
+    assert loaded(a, b, huge) == ["b"]
+
+
+@run
+async def test_a_model_in_use_is_never_unloaded_for_another():
+    a, b = FakeModel("a"), FakeModel("b")
+    models = catalogue(LoadPolicy(max_loaded=1), a, b)
+    holding = asyncio.Event()
+    release = asyncio.Event()
+
+    async def hold_a() -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            holding.set()
+            await release.wait()
+            assert a.state == "loaded"  # b waited all along
+
+    holder = asyncio.create_task(hold_a())
+    await holding.wait()
+    waiting = asyncio.create_task(use(models, b))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done() and loaded(a, b) == ["a"] and b.waiting == 1
+    release.set()
+    await asyncio.gather(holder, waiting)
+    assert loaded(a, b) == ["b"]
+
+
+@run
+async def test_waiting_for_a_load_is_bounded_by_the_queue_and_the_timeout():
+    a, b = FakeModel("a"), FakeModel("b")
+    models = catalogue(LoadPolicy(max_loaded=1, max_waiting=2), a, b)
+    release = asyncio.Event()
+
+    async def hold_a() -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            await release.wait()
+
+    holder = asyncio.create_task(hold_a())
+    await asyncio.sleep(0)
+    waiters = [asyncio.create_task(use(models, b))]
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as late:  # a second waiter, while a holds the only room
+        async with models.serving(b, timeout=0.05):  # type: ignore[arg-type]
+            pass
+    assert late.value.status == 504 and b.waiting == 1
+    waiters.append(asyncio.create_task(use(models, b)))
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as refused:  # a third, past max_waiting
+        await use(models, b)
+    assert refused.value.status == 429
+    release.set()
+    await asyncio.gather(holder, *waiters)
+    assert loaded(a, b) == ["b"]
