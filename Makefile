@@ -22,7 +22,7 @@ GPU_CMAKE_ARGS_metal := -DGGML_METAL=ON
 # lists the ones it needs (ai-dynamo's `aisimulate` is a placeholder that cannot be installed).
 DYNAMO := ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 
-.PHONY: setup serve test test-vulkan lint bench bench-dynamo bench-gpu system-deps agents image-check
+.PHONY: setup serve test test-vulkan lint bench bench-dynamo bench-models bench-gpu system-deps agents image-check
 
 setup: $(VENV)/.installed-$(BACKEND)
 
@@ -112,6 +112,12 @@ bench: setup
 bench-dynamo: setup
 	$(call apt_missing,redis-server:redis-server)
 	$(PY) -m loadtest.dynamo_bench $(ARGS)
+
+# Several models behind one gateway beside llama-server's router mode (docs/models.md, ~10
+# minutes): cold and warm TTFT, alternating between two models with one loaded, memory.
+bench-models: setup
+	test -x .bench/llama-server || BACKEND=cpu loadtest/build_llama_server.sh
+	$(PY) -m loadtest.models_bench $(ARGS)
 
 # The GPU benchmark (docs/gpu.md, minutes): prefixgate beside llama-server, both built for the
 # backend .venv was set up with (`make setup BACKEND=cuda`), every layer on the device; builds
