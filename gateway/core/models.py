@@ -103,8 +103,8 @@ class ServedModel:
         """Its block pool, for the cache's operator APIs (explain, admin)."""
         if self.engines.pool is None:
             raise APIError(404, "This server holds no prefix cache of its own here: it runs "
-                           "with --no-prefix-cache, the model is not loaded, or it is a front "
-                           "whose cache is on its Dynamo nodes (ask a node)",
+                           "with --no-prefix-cache, or is a front whose cache is on its Dynamo "
+                           "nodes (ask a node), or the model is not loaded now",
                            code="cache_disabled")
         return self.engines.pool
 
