@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             models = [server.model_id(f) for f in files]
             record["probes"] = asyncio.run(probes(server, models, TextMaker(vocab, sizes.seed),
-                                                  sizes))
+                                                  sizes, args.probe_rounds))
             print(name, "probes", record["probes"], flush=True)
             work = sessions(TextMaker(vocab, sizes.seed + 1), sizes)
             record["alternating"] = asyncio.run(alternate(server, models, work, sizes))
@@ -337,6 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=Sizes.turns)
     p.add_argument("--systems", nargs="+", choices=("prefixgate", "llama-server"),
                    default=["prefixgate", "llama-server"])
+    p.add_argument("--probe-rounds", type=int, default=1,
+                   help="TTFT probes per model, cold and warm (their median is shown)")
     p.add_argument("--seed", type=int, default=Sizes.seed)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--parallel", type=int, default=4)
