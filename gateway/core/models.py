@@ -127,6 +127,7 @@ class Models:
         self._deciding = asyncio.Lock()  # one load's room made at a time
         self._loads: dict[str, asyncio.Task] = {}
         self._opened = threading.Event()
+        self._stopping = False  # draining: nothing loads any more
 
     def find(self, name: str) -> ServedModel:
         """The model a request names (`named`); a 503 for one that failed to load."""
@@ -163,7 +164,8 @@ class Models:
                     model.state, model.load_error = "failed", str(exc)
                     failures.append(f"{model.name}: {exc}")
             for model in self.all:
-                if model.state == "unloaded" and self._fits(model, self._loaded()):
+                if model.state == "unloaded" and self._fits(model, self._loaded()) \
+                        and not self._stopping:
                     model.state = "loading"
                     self._start(model, loop)
                     if model.load_error:
@@ -197,7 +199,11 @@ class Models:
         return sum(model.engines.n_in_flight for model in self._loaded())
 
     async def drain(self, seconds: float) -> None:
-        await asyncio.gather(*(model.engines.drain(seconds) for model in self._loaded()))
+        """Refuses new requests and waits up to `seconds` for those in flight. Every model's
+        engines hear it, also those still starting (a front waiting for its first node stops
+        waiting), and no model loads from now on."""
+        self._stopping = True
+        await asyncio.gather(*(model.engines.drain(seconds) for model in self.all))
 
     # ----- requests -------------------------------------------------------------------------------
 
@@ -255,6 +261,10 @@ class Models:
         """Makes room for it (unloading the least recently used idle models), then loads it;
         a failure is kept in its state."""
         if model.state in ("loaded", "loading"):
+            return
+        if self._stopping:
+            model.state, model.load_error = "failed", "the server is shutting down"
+            self._notify()
             return
         async with self._deciding:
             if model.memory_bytes > (self.policy.memory_bytes or model.memory_bytes):
