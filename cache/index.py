@@ -84,11 +84,19 @@ class _Plan:
 # (once, from any thread): until then the hook may read the block's bytes on a thread of its own.
 StoredHook = Callable[[bytes, np.ndarray, int, Callable[[], None]], None]
 
+# Told of every block LRU eviction takes, under the index's lock, before its slot is freed:
+# (block key, tokens, slot). The slot's bytes are the block's until the hook returns and may
+# be rewritten right after, so the hook copies what it keeps, and quickly: every caller of the
+# index waits meanwhile. Blocks dropped otherwise (by the admin API, or for a longer copy of
+# themselves) are not told of.
+EvictedHook = Callable[[bytes, np.ndarray, int], None]
+
 
 class CacheIndex:
     def __init__(self, n_slots: int, block_size: int,
                  on_stored: StoredHook | None = None, pin_budget: int | None = None,
-                 namespace_share: float = 1.0, clock: Callable[[], float] = time.time) -> None:
+                 namespace_share: float = 1.0, clock: Callable[[], float] = time.time,
+                 on_evicted: EvictedHook | None = None) -> None:
         self.pool = BlockPool(n_slots, block_size)
         self.tree = RadixTree(self.pool, pin_budget, clock, namespace_share)
         self.block_size = block_size
@@ -100,6 +108,8 @@ class CacheIndex:
         self._pinned_hit_tokens = 0
         self._on_stored = on_stored
         self._told: dict[int, Node] = {}  # blocks held for on_stored until it is done
+        if on_evicted is not None:
+            self.tree.on_evicted = functools.partial(_tell_evicted, on_evicted)
 
     def client(self, owner: int) -> IndexClient:
         return IndexClient(self, owner)
@@ -359,6 +369,14 @@ class IndexClient:
 
     def commit_store(self, plan_id: int, written: bool) -> None:
         self.index.commit_store(plan_id, written)
+
+
+def _tell_evicted(hook: EvictedHook, node: Node) -> None:
+    """An eviction goes ahead whatever the hook does: it only loses the block's copy."""
+    try:
+        hook(node.key, node.tokens, node.slot)
+    except Exception:
+        log.exception("telling of an evicted block failed")
 
 
 def namespace_hash(namespace: bytes) -> str:

@@ -65,6 +65,12 @@ class BlockListener(Protocol):
 # with one reference, which the tree takes over, or None when there is none.
 BlockFiller = Callable[[int, int], int | None]
 
+# Told of a block the moment LRU eviction picks it, before its slot goes back to the free list:
+# its bytes are intact until the call returns, and the slot may be reused right after (under
+# the lock of whoever allocates). What writes blocks back at eviction (the Redis tier's
+# `--redis-write evict`) copies them here.
+EvictedHook = Callable[["Node"], None]
+
 
 @dataclass(eq=False)
 class Node:
@@ -135,6 +141,7 @@ class RadixTree:
         # Heaps by (pin end, deepest first): the order in which pins expire or give way.
         self._pin_queue: dict[bytes, list[tuple[float, int, int, Node]]] = {}
         self.listener: BlockListener | None = None
+        self.on_evicted: EvictedHook | None = None
 
     def __len__(self) -> int:
         return len(self._index)
@@ -397,6 +404,8 @@ class RadixTree:
             victim = self._oldest_leaf(list(self._eviction_queue))
         if victim is None:
             return False
+        if self.on_evicted is not None:
+            self.on_evicted(victim)
         self._remove(victim)
         self.evictions += 1
         return True

@@ -1,9 +1,20 @@
 """The Redis tier: KV blocks shared by gateways that share no arena (other pods, other machines).
 
-Every block a worker stores is also written to Redis, from a queue on a thread of its own, never
-on a request's path: the queue holds the block itself (its slot in the arena stays referenced,
-so unchanged, until the writer has copied it), and the writer makes the value, copy and
-signature, outside the cache index's lock. On a local miss the gateway asks Redis for the
+What is written, by `TierConfig.write` (`--redis-write`):
+- "store" (write-through, a plain gateway's default): every block a worker stores is also
+  written to Redis, so that a replica behind a load balancer that picks at random finds what
+  another computed. The queue holds the block itself (its slot in the arena stays referenced,
+  so unchanged, until the writer has copied it).
+- "evict" (write-back at eviction, the default of a `--dynamo` node): a block is written only
+  when LRU eviction takes it from the pool. Behind Dynamo's KV router each prefix goes to the
+  node that holds it, so another node rarely needs a block while its holder keeps it; what
+  the holder evicts, it or another node may still load instead of computing. Its bytes are
+  copied under the cache index's lock, before the slot can be reused (the copy of one block;
+  none when the queue is full or the breaker open), and queued like a stored block. Blocks
+  never evicted are never written: what a node holds when it stops is kept by `--cache-dir`,
+  and what it holds when it dies is recomputed where the router sends it next.
+Either way the writer, a thread of its own, never on a request's path, makes the value and its
+signature outside the cache index's lock. On a local miss the gateway asks Redis for the
 prompt's following blocks in one MGET (one round trip for the whole prompt, capped by
 `--redis-timeout`) and adopts what it finds into its own pool before routing the request, which
 then loads them like any cached block.
@@ -54,6 +65,7 @@ _MAC_BYTES = 32
 BREAKER_FAILURES = 3  # consecutive failures that open the breaker
 BREAKER_SECONDS = 30.0  # how long the tier is skipped then
 WRITE_BATCH = 16  # blocks per pipelined write
+WRITE_POLICIES = ("store", "evict")  # TierConfig.write: see the module's docstring
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,17 @@ class TierConfig:
     ttl: int = 86400  # seconds a block lives in Redis after its last write
     queue_blocks: int = 256  # blocks waiting to be written; beyond, new ones are dropped
     key: bytes | None = None  # signs every value (HMAC-SHA256); None: values are unsigned
+    write: str = "store"  # one of WRITE_POLICIES: when a block is written
+
+    def __post_init__(self) -> None:
+        if self.write not in WRITE_POLICIES:
+            raise ValueError(f"the Redis tier writes blocks at {WRITE_POLICIES}, "
+                             f"not {self.write!r}")
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether blocks are written when evicted rather than when stored."""
+        return self.write == "evict"
 
 
 @dataclass
@@ -81,6 +104,10 @@ class TierStats:
     stored_blocks: int = 0
     errors: int = 0  # failed calls and values that did not verify
     dropped_blocks: int = 0  # not written: the queue was full
+
+
+def _nothing() -> None:
+    """A copied block's `done`: nothing is held for it."""
 
 
 class RedisTier:
@@ -118,6 +145,19 @@ class RedisTier:
             done()
             with self._lock:
                 self.stats.dropped_blocks += 1
+
+    def put_evicted(self, block_key: bytes, tokens: np.ndarray,
+                    data: bytes | memoryview | np.ndarray) -> None:
+        """Queues a block the pool is evicting: its bytes are copied now (the caller holds
+        the lock that keeps the slot from being reused until this returns), unless the queue
+        is full or the breaker open, when it is not written at all."""
+        if self.skipping():  # as the writer would: let go, not counted as dropped
+            return
+        if self._queue.full():
+            with self._lock:
+                self.stats.dropped_blocks += 1
+            return
+        self.put(block_key, tokens, bytes(data), _nothing)
 
     def _value(self, block: _Stored) -> tuple[bytes, bytes]:
         """(Redis key, value) of a queued block: its bytes copied, the block let go, then the

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache.redis_tier import TierConfig
+from cache.redis_tier import WRITE_POLICIES, TierConfig
 from engine.config import KV_TYPE_NAMES, SPLIT_MODES, CacheConfig, EngineConfig, Offload
 from gateway.config import Limits, ModelConfig, SamplingDefaults, WorkersConfig
 from gateway.dynamo.settings import DynamoSettings
@@ -252,6 +252,12 @@ def _prefix_cache(p: argparse._ArgumentGroup) -> None:
                         "do not verify are misses. Without it, whoever can write to the Redis "
                         "can plant KV (better set PREFIXGATE_REDIS_KEY than the flag). Stored "
                         "/v1/responses go to Redis only with it, encrypted (AES-256-GCM)")
+    p.add_argument("--redis-write", choices=WRITE_POLICIES, default=None,
+                   help="when a block goes to Redis: store (as soon as it is stored, so that "
+                        "replicas behind a load balancer find what another computed) or evict "
+                        "(only when the pool evicts it: behind Dynamo's KV router, which sends "
+                        "each prefix to the node holding it). Default: evict for a --dynamo "
+                        "node, store otherwise")
     p.add_argument("--redis-timeout", type=float, default=TierConfig.timeout,
                    help="seconds a Redis lookup may add to a request")
     p.add_argument("--redis-ttl", type=int, default=TierConfig.ttl,
@@ -446,7 +452,8 @@ def model_config(name: str, path: Path, args: argparse.Namespace, several: bool,
         pin_budget_mb=args.pin_budget_mb, pin_hours=args.pin_hours,
         tenant_cache_share=args.tenant_cache_share,
         redis=TierConfig(args.redis_url, args.redis_timeout, args.redis_ttl,
-                         key=args.redis_key.encode() if args.redis_key else None)
+                         key=args.redis_key.encode() if args.redis_key else None,
+                         write=args.redis_write or ("evict" if args.dynamo else "store"))
         if args.redis_url else None,
         log_level=args.log_level)
     return ModelConfig(name, workers, tuple(args.model_alias),

@@ -14,6 +14,8 @@ import redis
 
 from cache.index import CacheIndex
 from cache.redis_tier import BREAKER_FAILURES, RedisTier, TierConfig
+from gateway.cli import build_parser, server_config
+from gateway.workers.model_store import default_model_path
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import DETERMINISTIC_ARGS, openai_client
 from tests.test_prefix_cache import ask, system_chat
@@ -239,3 +241,104 @@ def test_a_stored_response_is_continued_and_deleted_through_any_replica(redis_ur
     finally:
         for server in (first, second, other):
             server.stop()
+
+
+def test_with_write_back_a_block_reaches_redis_when_evicted_copied_before_its_slot_is_reused(
+        redis_url):
+    """--redis-write evict: storing a block queues nothing; evicting it queues a copy of its
+    bytes taken under the index's lock, so the new block written into the freed slot at once
+    (while the writer is busy) is not what Redis gets. Nothing stays held or queued."""
+    url, _ = redis_url
+    redis_tier = RedisTier(TierConfig(url, write="evict"), "a fingerprint", slot_bytes=16)
+    arena = np.zeros((2, 16), np.uint8)
+    index = CacheIndex(2, 4, on_evicted=lambda key, tokens, slot: redis_tier.put_evicted(
+        key, tokens, arena[slot]))
+    reading, read = threading.Event(), threading.Event()
+
+    class Busy:
+        """What keeps the writer busy until told: the first value it copies."""
+
+        def __bytes__(self) -> bytes:
+            reading.set()
+            assert read.wait(30)
+            return bytes(16)
+
+    def store(tokens: np.ndarray, fill: int) -> None:
+        plan = index.plan_store(0, tokens, "", final=True, hold=False)
+        for slot in plan.slots:  # as a worker writes its plan's slots
+            arena[slot] = fill
+        index.commit_store(plan.plan_id, written=True)
+
+    first, second, third = (np.arange(4, dtype=np.int32) + 10 * i for i in range(3))
+    try:
+        store(first, 1)
+        store(second, 2)
+        assert redis_tier._queue.empty() and index.snapshot().evictions == 0
+        redis_tier.put(bytes(16), np.arange(4, dtype=np.int32), Busy(), lambda: None)
+        assert reading.wait(30)
+        store(third, 3)  # evicts the first, whose slot the third's bytes overwrite
+        assert index.snapshot().evictions == 1
+        read.set()
+        deadline = time.monotonic() + 30
+        while redis_tier.stats.stored_blocks < 2:
+            assert time.monotonic() < deadline, "the evicted block never reached Redis"
+            time.sleep(0.01)
+        (key,) = index.chain_keys(first, "")
+        assert redis_tier.fetch([key], [first]) == [bytes([1] * 16)]
+        assert all(redis_tier.fetch(index.chain_keys(t, ""), [t]) == [] for t in (second,
+                                                                                  third))
+        assert redis_tier._queue.empty() and redis_tier.stats.dropped_blocks == 0
+        assert index.snapshot().blocks_held == 0 and index.problems({0}) == []
+    finally:
+        read.set()
+        redis_tier.close()
+
+
+def test_a_dynamo_node_writes_back_at_eviction_and_a_plain_gateway_as_it_stores():
+    parser = build_parser()
+
+    def write(*flags: str) -> str:
+        config = server_config(parser, parser.parse_args(
+            ["--model", str(default_model_path()), "--redis-url", "redis://r:6379", *flags]))
+        return config.models[0].workers.redis.write
+
+    assert write() == "store" and write("--dynamo") == "evict"
+    assert write("--dynamo", "--redis-write", "store") == "store"
+    assert write("--redis-write", "evict") == "evict"
+
+
+def test_evicted_blocks_alone_reach_redis_and_another_gateway_loads_them(redis_url, model_path,
+                                                                         model_name):
+    """A gateway writing back at eviction, with a pool of 4 blocks, serves six prompts: Redis
+    then holds exactly the blocks it evicted (counted once it stopped, its queue drained),
+    none of those still in its pool. A second gateway loads the first prompt, long evicted,
+    from Redis, and finds nothing there for the last, which the first never evicted."""
+    url, _ = redis_url
+    # 6 MiB holds 4 F16 blocks of 64 tokens (tests/test_prefix_cache.py's small pool).
+    small = ("--parallel", "2", "--ctx-size", "1024", "--cache-mb", "6", "--redis-url", url)
+    prompts = [f"{topic} matter to people for many reasons. " * 12 for topic in
+               ["Apples", "Bridges", "Clouds", "Dragons", "Engines", "Forests"]]
+
+    def complete(server: GatewayProcess, prompt: str):
+        return openai_client(server).completions.create(
+            model=model_name, prompt=prompt, max_tokens=8, temperature=0).usage
+
+    writer = GatewayProcess(model_path, *small, "--redis-write", "evict")
+    try:
+        for prompt in prompts:
+            complete(writer, prompt)
+        metrics = writer.settled()
+    finally:
+        writer.stop()  # the tier's writer finishes its queue
+    evicted = metrics["prefixgate_prefix_cache_evictions_total"]
+    assert evicted > 0 and metrics["prefixgate_kv_pool_blocks_used"] > 0
+    assert len(redis.Redis.from_url(url).keys("prefixgate:*")) == evicted
+    reader = GatewayProcess(model_path, *small)
+    try:
+        usage = complete(reader, prompts[0])
+        assert usage.prompt_tokens_details.cached_tokens >= 64
+        assert tier(reader, "hits")["redis"] == usage.prompt_tokens_details.cached_tokens
+        assert complete(reader, prompts[-1]).prompt_tokens_details.cached_tokens == 0
+        reader.settled()
+    finally:
+        reader.stop()

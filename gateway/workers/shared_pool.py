@@ -70,11 +70,15 @@ class SharedPool:
         self.tier = (RedisTier(config.redis, self.fingerprint, header.slot_bytes)
                      if config.redis is not None else None)
         budget = config.pin_budget_mb
+        # The tier hears of a block when it is stored (write-through) or when it is evicted
+        # (write-back, --redis-write evict): never both.
+        back = self.tier is not None and self.tier.config.writes_back
         self.index = CacheIndex(
             header.n_slots, header.block_size,
-            on_stored=self._to_tier if self.tier else None,
+            on_stored=self._to_tier if self.tier and not back else None,
             pin_budget=None if budget is None else (budget << 20) // header.slot_bytes,
-            namespace_share=config.tenant_cache_share, clock=self.clock)
+            namespace_share=config.tenant_cache_share, clock=self.clock,
+            on_evicted=self._evicted_to_tier if back else None)
         if config.cache_dir is not None:  # before any request can use the pool
             persistence.load(config.cache_dir, self.index, self.arena)
 
@@ -166,6 +170,11 @@ class SharedPool:
         """A stored block, for Redis: the tier's writer copies its bytes from the arena (the
         slot holds still until `done`)."""
         self.tier.put(block_key, tokens, self.arena.block(slot), done)
+
+    def _evicted_to_tier(self, block_key: bytes, tokens: np.ndarray, slot: int) -> None:
+        """A block the pool evicts, for Redis (--redis-write evict): called under the index's
+        lock, so its bytes are copied before anything can reuse the slot."""
+        self.tier.put_evicted(block_key, tokens, self.arena.block(slot))
 
     # ----- what /metrics and the cache page read -----------------------------------------------
 
