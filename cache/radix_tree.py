@@ -22,6 +22,10 @@ Invariants (checked by the property tests):
 - A block a match uses only in part (often no more than a chat template's opening, which every
   prompt shares) is not refreshed: else the first such block would stay the most recent for
   every prompt that starts alike, and never be evicted.
+- A namespace's root, and what the tree keeps per namespace (its block count, its eviction and
+  pin queues), lives only while the namespace holds a block: namespaces come and go (Dynamo's
+  frontend hands a node any cache salt its clients choose), and a namespace a lookup merely
+  names leaves nothing behind.
 - A namespace past its share of the pool (`namespace_share`) makes room from its own leaves
   first, and an allocation of any other namespace takes from those past their share before
   anyone else: one tenant's flood cannot empty the pool of every other tenant's prefixes,
@@ -172,19 +176,29 @@ class RadixTree:
 
     def chain_keys(self, tokens: np.ndarray, namespace: bytes = b"") -> list[bytes]:
         """The key each block of `tokens` has (or would have) in the tree, block by block."""
-        keys, key = [], self.root(namespace).key
+        keys, key = [], _root_key(namespace)
         for start in range(0, len(tokens), self.block_size):
             key = _block_key(key, tokens[start: start + self.block_size])
             keys.append(key)
         return keys
 
     def root(self, namespace: bytes) -> Node:
+        """The namespace's root, made if it has none (kept only while it holds a block)."""
         root = self._roots.get(namespace)
         if root is None:
-            key = xxhash.xxh3_128(b"prefixgate\0" + namespace).digest()
-            root = self._roots[namespace] = Node(np.empty(0, np.int32), key, -1, None,
-                                                 namespace)
+            root = self._roots[namespace] = _new_root(namespace)
         return root
+
+    def _prune(self, space: bytes) -> None:
+        """Forgets a namespace that holds no block any more: its root and what the tree keeps
+        for it."""
+        root = self._roots.get(space)
+        if root is None or root.children:
+            return
+        del self._roots[space]
+        self._blocks.pop(space, None)
+        self._eviction_queue.pop(space, None)
+        self._pin_queue.pop(space, None)
 
     def match(self, tokens: np.ndarray, namespace: bytes = b"") -> Match:
         """The longest cached prefix of `tokens`, retained for the caller."""
@@ -211,7 +225,7 @@ class RadixTree:
             used = min(len(node.tokens), n - start)
             pinned += used if node.pinned_until > now else 0
             start += len(node.tokens)
-        node = path[-1] if path else self.root(namespace)
+        node = path[-1] if path else self._roots.get(namespace) or _new_root(namespace)
         held = [node.tokens[len(node.tokens) - (start - n):]] if start > n else []
         while sum(map(len, held)) < following and node.children:
             node = max((c for group in node.children.values() for c in group),
@@ -221,7 +235,9 @@ class RadixTree:
         return PathReport(n, pinned, after)
 
     def _walk(self, tokens: np.ndarray, namespace: bytes) -> tuple[list[Node], int]:
-        node, path, n = self.root(namespace), [], 0
+        node, path, n = self._roots.get(namespace), [], 0
+        if node is None:  # nothing cached there: looking leaves no root behind
+            return path, n
         while n < len(tokens):
             chunk = tokens[n: n + self.block_size]
             child = self._child(node, chunk)
@@ -258,7 +274,10 @@ class RadixTree:
                 node = child
         except BaseException:  # a failed fill: the caller gets nothing to release
             self.release(Match(path, n))
+            self._prune(namespace)
             raise
+        if not path:  # nothing fitted: no root stays for a namespace holding nothing
+            self._prune(namespace)
         self._touch(path)
         return Match(path, n), complete
 
@@ -280,6 +299,8 @@ class RadixTree:
         if key in self._index:  # a hash collision: never let it alias another prefix
             return None
         slot = fill(start, start + len(chunk))
+        if parent.parent is None:  # making room may have evicted its namespace's last block
+            self._roots[parent.namespace] = parent
         if slot is None:
             return None
         node = Node(chunk.copy(), key, slot, parent, parent.namespace, parent.depth + 1,
@@ -457,7 +478,10 @@ class RadixTree:
         self.pool.release(node.slot)
         if self.listener is not None:
             self.listener.removed(node)
-        self._offer(node.parent)
+        if node.parent.parent is None:
+            self._prune(node.namespace)
+        else:
+            self._offer(node.parent)
 
     def _child(self, parent: Node, chunk: np.ndarray) -> Node | None:
         node = self._index.get(self._key(parent, chunk))
@@ -499,6 +523,12 @@ class RadixTree:
                 found.append(f"block {node.slot} is an unheld strict prefix of a sibling")
             if self._evictable(node) and node not in self._pins and node.queued != node.stamp:
                 found.append(f"block {node.slot} can be evicted but is not queued")
+            if node.parent.parent is None and self._roots.get(node.namespace) is not node.parent:
+                found.append(f"block {node.slot} hangs from a root its namespace lost")
+        kept = {*self._blocks, *self._eviction_queue, *self._pin_queue, *self._roots}
+        for space in sorted(kept):
+            if space not in self._roots or not self._roots[space].children:
+                found.append(f"namespace {space!r} holds no block but is kept")
         for slot, n in held.items():
             expected[slot] += n
         for slot in np.flatnonzero(expected != self.pool.refcounts):
@@ -518,6 +548,14 @@ class RadixTree:
             self._lru.move_to_end(node)
             node.last_used = now
             node.stamp = next(self._stamps)
+
+
+def _root_key(namespace: bytes) -> bytes:
+    return xxhash.xxh3_128(b"prefixgate\0" + namespace).digest()
+
+
+def _new_root(namespace: bytes) -> Node:
+    return Node(np.empty(0, np.int32), _root_key(namespace), -1, None, namespace)
 
 
 def _block_key(parent_key: bytes, chunk: np.ndarray) -> bytes:

@@ -294,3 +294,38 @@ def test_a_block_matched_only_in_part_is_not_refreshed():
     assert tree.matched_length(prompt(0)) == 3  # prompt 0's own block is gone
     assert tree.matched_length(prompt(8)) == BLOCK
     assert tree.problems({}) == []
+
+
+def test_a_namespace_holding_no_block_leaves_nothing_behind():
+    """Cache salts come and go without bound (Dynamo's frontend passes on whatever its clients
+    send): a namespace's root and its queues go with its last block, and a lookup in one that
+    holds nothing leaves none behind, so the tree stays as large as what the pool holds. A
+    block stored while making room for it evicted its namespace's last other block hangs from
+    the namespace's root as any other."""
+    pool = BlockPool(4, BLOCK)
+    tree = RadixTree(pool)
+
+    def store(tokens: np.ndarray, space: bytes) -> None:
+        tree.release(tree.insert(tokens, lambda *_: tree.allocate(space), space)[0])
+
+    for i in range(200):
+        space, tokens = f"salt-{i}".encode(), np.full(BLOCK, i % 7, np.int32)
+        tree.release(tree.match(tokens, space))
+        tree.report(tokens, space)
+        tree.chain_keys(tokens, space)
+        store(tokens, space)
+        if i % 3 == 0:  # past the budget of one pinned block, pins fall back to LRU
+            tree.pin(tokens, space, until=tree.clock() + 3600)
+    assert len(tree) == 4 and tree.problems({}) == []
+    assert len(tree._roots) == 4 and set(tree._eviction_queue) <= set(tree._roots)
+    assert set(tree._pin_queue) <= set(tree._roots) and set(+tree._blocks) == set(tree._roots)
+    tree.release(tree.match(np.arange(BLOCK, dtype=np.int32), b"never-stored"))
+    assert b"never-stored" not in tree._roots
+
+    one = RadixTree(BlockPool(1, BLOCK))
+    first, second = np.zeros(BLOCK, np.int32), np.ones(BLOCK, np.int32)
+    for tokens in (first, second):  # the second evicts the first: the namespace's last block
+        one.release(one.insert(tokens, lambda *_: one.allocate(b"t"), b"t")[0])
+    assert one.evictions == 1 and one.matched_length(second, b"t") == BLOCK
+    assert one.problems({}) == []
+    assert one.drop_unheld() == 1 and not one._roots and not one._eviction_queue
