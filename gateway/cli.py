@@ -17,6 +17,7 @@ from gateway.dynamo.settings import DynamoSettings
 from gateway.edge.auth import KeyFileError, KeyRing
 from gateway.edge.ratelimit import RateLimits
 from gateway.presets import PresetError, Presets
+from gateway.workers.hub import Hub
 from gateway.workers.model_files import ModelsError, model_id, served_paths
 from gateway.workers.router import POLICIES, RoutingConfig
 
@@ -48,6 +49,21 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--models-dir", type=Path, default=None,
                    help="serve every GGUF under this directory too, each by its file's stem "
                         "(a split GGUF, NAME-00001-of-0000N.gguf, as one model NAME)")
+    p.add_argument("--hf-repo", "-hf", "-hfr", action="append", default=[],
+                   metavar="OWNER/NAME[:QUANT]",
+                   help="a GGUF from the Hugging Face hub, as llama-server's -hf (repeatable): "
+                        "the file with QUANT in its name (default Q4_K_M, else Q8_0, else the "
+                        "first), every part of a split one, downloaded into --models-cache, "
+                        "checked against the hub's sha256 and served by its file's stem and "
+                        "by OWNER/NAME[:QUANT]; HF_TOKEN for gated repos, HF_ENDPOINT for "
+                        "another hub (docs/models.md)")
+    p.add_argument("--hf-file", "-hff", default=None, metavar="FILE",
+                   help="the file to take from the one --hf-repo instead of choosing by quant")
+    p.add_argument("--models-cache", type=Path, default=None, metavar="DIR",
+                   help="where --hf-repo's files are kept (default: "
+                        "$XDG_CACHE_HOME/prefixgate/models or ~/.cache/prefixgate/models); a "
+                        "file complete and verified there is not downloaded again, and is "
+                        "served when the hub cannot be reached")
     p.add_argument("--models-preset", type=Path, default=None,
                    help="an INI file of each model's own settings, as llama-server's: a "
                         "section per model id ([*] for all), the flags below without dashes "
@@ -394,10 +410,17 @@ def served_models(parser: argparse.ArgumentParser, args: argparse.Namespace
 
     presets = Presets.read(args.models_preset, _model_flags(parser)) if args.models_preset \
         else None
-    paths = served_paths(args.model, args.models_dir)
+    if args.hf_file and len(args.hf_repo) != 1:
+        raise ModelsError("--hf-file takes its file from one --hf-repo: give exactly one")
+    hub = Hub.from_environment(args.models_cache)
+    pulled = {hub.pull(spec, args.hf_file): spec for spec in args.hf_repo}
+    paths = served_paths([*args.model, *pulled], args.models_dir)
     named = {path.resolve(): path for path in paths}
     ids = {path: model_id(path) for path in paths}
-    for name, path in (presets.model_files() if presets else {}).items():
+    files = presets.model_files() if presets else {}
+    for name, (spec, hf_file) in (presets.hub_models() if presets else {}).items():
+        files[name] = hub.pull(spec, hf_file)
+    for name, path in files.items():
         if not path.is_file():
             raise ModelsError(f"--models-preset [{name}] model = {path}: no such file")
         path = named.get(path.resolve(), path)
@@ -416,6 +439,9 @@ def served_models(parser: argparse.ArgumentParser, args: argparse.Namespace
     flags = [args, *(argparse.Namespace(**inherited) for _ in paths[1:])]
     if presets is not None:
         flags = [presets.apply(parser, own, name) for own, name in zip(flags, served, strict=True)]
+    for path, own in zip(paths, flags, strict=True):  # a hub model answers to its repo too
+        if path in pulled:
+            own.model_alias = [*own.model_alias, pulled[path]]
     return list(zip(served, paths, flags, strict=True))
 
 

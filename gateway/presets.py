@@ -7,9 +7,11 @@ the model's own section.
 
 A section may name its model's file (`model = /srv/gguf/qwen.gguf`): that file is served as the
 section's id, beside --model's and --models-dir's (a file they serve already takes the section's
-name instead of its stem). Only a model's own settings may be set there (threads, context,
-sequences, workers, aliases, chat template, sampling, speculation, offload, its share of the
-pool): a server's (port, keys, Redis...) in a preset is an error naming the section and key."""
+name instead of its stem); or a model on the hub (`hf-repo = owner/name:Q4_K_M`, and `hf-file`
+if need be), downloaded as --hf-repo's are. Only a model's own settings may be set there
+(threads, context, sequences, workers, aliases, chat template, sampling, speculation, offload,
+its share of the pool): a server's (port, keys, Redis...) in a preset is an error naming the
+section and key."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 EVERY_MODEL = "*"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+FILE_KEYS = ("model", "hf-repo", "hf-file")  # which file a section serves, not its flags
 
 
 class PresetError(ValueError):
@@ -45,11 +48,16 @@ class Presets:
         sections = {name: dict(ini[name]) for name in ini.sections()}
         for name, values in sections.items():
             for key in values:
-                if key not in model_flags and not (key == "model" and name != EVERY_MODEL):
+                if key not in model_flags and not (key in FILE_KEYS and name != EVERY_MODEL):
                     raise PresetError(f"--models-preset {path} [{name}]: {key!r} is not a "
                                       f"model's own setting (a model may set "
                                       f"{', '.join(sorted(model_flags))}"
-                                      f"{'' if name == EVERY_MODEL else ', model'})")
+                                      f"{'' if name == EVERY_MODEL else ', '}"
+                                      f"{'' if name == EVERY_MODEL else ', '.join(FILE_KEYS)})")
+            if "hf-file" in values and "hf-repo" not in values or \
+                    "model" in values and "hf-repo" in values:
+                raise PresetError(f"--models-preset {path} [{name}]: a model's file is `model` "
+                                  f"or `hf-repo` (with `hf-file` if need be), one of them")
         return cls(path, sections)
 
     def model_files(self) -> dict[str, Path]:
@@ -57,6 +65,11 @@ class Presets:
         preset's directory)."""
         return {name: self.path.parent / values["model"]
                 for name, values in self.sections.items() if "model" in values}
+
+    def hub_models(self) -> dict[str, tuple[str, str | None]]:
+        """The sections that name a model on the hub: id -> (`hf-repo`, `hf-file` or None)."""
+        return {name: (values["hf-repo"], values.get("hf-file"))
+                for name, values in self.sections.items() if "hf-repo" in values}
 
     def check_served(self, ids: list[str]) -> None:
         for name in self.sections:
@@ -74,7 +87,7 @@ class Presets:
         for name in (EVERY_MODEL, model):
             tokens: list[str] = []
             for key, value in self.sections.get(name, {}).items():
-                if key == "model":
+                if key in FILE_KEYS:
                     continue
                 action = options[f"--{key}"]
                 if action.nargs == 0:  # a switch: `true` is the flag given, `false` not
