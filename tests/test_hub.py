@@ -64,6 +64,7 @@ class FakeHub:
     drop_once: set[str] = field(default_factory=set)  # sha256s whose next body is cut halfway
     lie: set[str] = field(default_factory=set)  # sha256s announced with another digest
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+    down: bool = False  # every answer a 503
     port: int = 0
 
     def add(self, repo: str, path: str, source: Path | bytes) -> Blob:
@@ -105,6 +106,8 @@ class FakeHub:
     @web.middleware
     async def _record(self, request: web.Request, handler):
         self.requests.append((request.method, request.path, dict(request.headers)))
+        if self.down:
+            raise web.HTTPServiceUnavailable()
         return await handler(request)
 
     def _repo(self, request: web.Request) -> tuple[str, dict[str, Blob]]:
@@ -261,6 +264,13 @@ def test_an_interrupted_download_resumes_with_a_range(hub: FakeHub, bytes_hub: H
     assert [h.get("Range") for h in hub.seen("/cdn/")] == [None, f"bytes={kept}-"]
     assert target.read_bytes() == blob.source and not part.exists()
     assert target.with_name(target.name + ".sha256").read_text().strip() == blob.sha256
+    # Within one run: the next try resumes at once.
+    other = hub.repos[BYTES_REPO]["bytes-Q4_K_M.gguf"]
+    hub.drop_once.add(other.sha256)
+    hub.requests.clear()
+    path = Hub(hub.endpoint, bytes_hub.cache, attempts=2).pull(f"{BYTES_REPO}:Q4_K_M")
+    assert [h.get("Range") for h in hub.seen("/cdn/")] == [None, f"bytes={other.size // 2}-"]
+    assert path.read_bytes() == other.source
 
 
 def test_a_file_that_does_not_match_the_hubs_sha256_is_not_kept(hub: FakeHub, bytes_hub: Hub):
@@ -290,6 +300,11 @@ def test_a_cached_file_is_not_downloaded_again_and_serves_without_the_hub(
     with caplog.at_level(logging.WARNING):
         assert gone.pull(BYTES_REPO) == offline.pull(f"{BYTES_REPO}:q4_k_m") == target
     assert not hub.requests
+    hub.down = True
+    try:
+        assert bytes_hub.pull(BYTES_REPO) == target  # a hub answering 503: as unreachable
+    finally:
+        hub.down = False
     assert "unreachable: serving bytes-Q4_K_M.gguf from the cache" in caplog.text
     with pytest.raises(HubError, match=r"cannot be reached and .* has no GGUF of it"):
         gone.pull(SMOL_REPO)

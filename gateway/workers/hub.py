@@ -147,9 +147,11 @@ class Hub:
             url = f"{self.endpoint}/{repo}/resolve/main/{quote(file.path)}"
             size, sha256, git_oid, source = self._resolve(url, repo, file)
             part = target.with_name(target.name + ".part")
-            self._download(source, repo, file.path, part, size)
             kind = "sha256" if sha256 else "gitoid"
-            got, got_size = _digest(part, kind), part.stat().st_size
+            digest = _Digest(kind, size)
+            self._download(source, repo, file.path, part, size, digest)
+            digest.catch_up(part, size)
+            got, got_size = digest.hexdigest(), part.stat().st_size
             if got != (sha256 or git_oid) or got_size != size:
                 part.unlink()  # never resumed from: its bytes are wrong somewhere
                 raise HubError(f"{repo}/{file.path}: the download does not match the hub "
@@ -186,9 +188,10 @@ class Hub:
                         file.sha256, sha256)
         return size, sha256, git_oid, source
 
-    def _download(self, url: str, repo: str, path: str, part: Path, size: int) -> None:
+    def _download(self, url: str, repo: str, path: str, part: Path, size: int,
+                  digest: _Digest) -> None:
         """`url` into `part` until it holds `size` bytes, resuming what an earlier run or
-        attempt left there with a Range request."""
+        attempt left there with a Range request; `digest` takes each byte as it is written."""
         for attempt in range(1, self.attempts + 1):
             have = part.stat().st_size if part.exists() else 0
             if have > size:
@@ -204,7 +207,8 @@ class Hub:
                         have = 0
                     elif have:
                         log.info("%s/%s: resuming at %d of %d bytes", repo, path, have, size)
-                    self._copy(response, part, have, size, f"{repo}/{path}")
+                    digest.catch_up(part, have)
+                    self._copy(response, part, have, size, f"{repo}/{path}", digest)
                 if part.stat().st_size == size:
                     return
             except (HubUnreachable, OSError, HTTPException) as exc:
@@ -216,7 +220,8 @@ class Hub:
                        f"{part} is kept and the next start resumes it")
 
     @staticmethod
-    def _copy(response, part: Path, have: int, size: int, name: str) -> None:
+    def _copy(response, part: Path, have: int, size: int, name: str, digest: _Digest
+              ) -> None:
         done, started, shown = have, time.monotonic(), time.monotonic()
         next_tenth = (done * 10 // size + 1) if size else 10
         with part.open("r+b" if have else "wb") as out:
@@ -224,6 +229,7 @@ class Hub:
             out.truncate()
             while chunk := response.read(CHUNK):
                 out.write(chunk)
+                digest.update(chunk)
                 done += len(chunk)
                 now = time.monotonic()
                 if done * 10 >= next_tenth * size or now - shown >= PROGRESS_SECONDS:
@@ -249,6 +255,8 @@ class Hub:
             try:
                 response = _NO_REDIRECTS.open(request, timeout=TIMEOUT)
             except urllib.error.HTTPError as exc:
+                if exc.code >= 500:  # the hub is down: as if unreachable (the cache serves)
+                    raise HubUnreachable(f"{url}: {exc.code} {exc.reason}") from None
                 if not 300 <= exc.code < 400:
                     raise self._refused(exc, repo, url) from None
                 response = exc  # a redirect: an HTTPError is also the response
@@ -362,14 +370,36 @@ def _safe(path: str) -> str:
     return str(PurePosixPath(*parts))
 
 
-def _digest(path: Path, kind: str) -> str:
-    digest = hashlib.sha256() if kind == "sha256" else hashlib.sha1()  # noqa: S324 - git's id
-    if kind == "gitoid":
-        digest.update(f"blob {path.stat().st_size}\0".encode())
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+class _Digest:
+    """The digest of a `.part` as it is written, so that a model of many GiB is not read again
+    once downloaded: only the bytes an earlier run left are read, once, before resuming."""
+
+    def __init__(self, kind: str, size: int) -> None:
+        self.kind, self.size = kind, size
+        self._reset()
+
+    def _reset(self) -> None:
+        self.count = 0
+        self.hash = hashlib.sha256() if self.kind == "sha256" else hashlib.sha1()  # noqa: S324
+        if self.kind == "gitoid":  # git's blob id: sha1 of a header and the bytes
+            self.hash.update(f"blob {self.size}\0".encode())
+
+    def update(self, chunk: bytes) -> None:
+        self.hash.update(chunk)
+        self.count += len(chunk)
+
+    def catch_up(self, part: Path, have: int) -> None:
+        """Take the file's first `have` bytes (what is kept of it) if not taken yet."""
+        if self.count > have:
+            self._reset()
+        if self.count < have:
+            with part.open("rb") as f:
+                f.seek(self.count)
+                while self.count < have and (chunk := f.read(min(CHUNK, have - self.count))):
+                    self.update(chunk)
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
 
 
 def _etag(value: str | None) -> str | None:
