@@ -81,7 +81,7 @@ class Hub:
 
     @classmethod
     def from_environment(cls, cache: Path | None) -> Hub:
-        return cls(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT,
+        return cls((os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/"),
                    cache or default_cache(), os.environ.get("HF_TOKEN") or None,
                    os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"))
 
@@ -119,6 +119,10 @@ class Hub:
         except HubUnreachable as exc:
             log.warning("%s: cannot reach the hub at %s: %s", repo, self.endpoint, exc)
             return None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not the hub's JSON
+            raise HubError(f"{repo}: {self.endpoint} answered its listing with what the hub's "
+                           f"API does not ({type(exc).__name__}: {exc}): is HF_ENDPOINT a "
+                           f"hub?") from None
         return files
 
     def _cached(self, repo: str) -> list[str]:
