@@ -58,8 +58,15 @@ class ModelConfig:
     chat_template: str | None = None  # instead of the GGUF's own
     sampling: SamplingDefaults = SamplingDefaults()  # for requests that leave them out
 
-    def answers_to(self, name: str) -> bool:
-        return name == self.name or any(fnmatch.fnmatchcase(name, a) for a in self.aliases)
+    def answers_to(self, name: str) -> int:
+        """How closely `name` names this model: 0 not at all; otherwise the more literal
+        characters its closest alias has, the higher, and its own name above any alias. So
+        `claude-haiku-*` on a small model wins over `claude-*` on the main one, whichever of
+        the two is listed first."""
+        if name == self.name:
+            return 1 << 30
+        return max((1 + len(alias.replace("*", "").replace("?", "")) for alias in self.aliases
+                    if fnmatch.fnmatchcase(name, alias)), default=0)
 
 
 @dataclass(frozen=True)

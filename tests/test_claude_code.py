@@ -35,15 +35,16 @@ def server(model_path):
 
 
 def claude(server: GatewayProcess, home: Path, question: str, *args: str,
-           tools: str = "") -> dict:
-    """One `claude -p` run with `tools` (none by default); its JSON result. Replies are capped
-    at 300 tokens, retries at one (a failure shows at once)."""
+           tools: str = "", env: dict[str, str] | None = None) -> dict:
+    """One `claude -p` run with `tools` (none by default) and `env` added to its environment;
+    its JSON result. Replies are capped at 300 tokens, retries at one (a failure shows at
+    once)."""
     home.mkdir(parents=True, exist_ok=True)
     WORKDIR.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home),
            "ANTHROPIC_BASE_URL": server.base_url, "ANTHROPIC_API_KEY": "unused",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300", "CLAUDE_CODE_MAX_RETRIES": "1"}
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300", "CLAUDE_CODE_MAX_RETRIES": "1", **(env or {})}
     run = subprocess.run([str(CLAUDE), "-p", "--output-format", "json", "--system-prompt",
                           SYSTEM, "--tools", tools, *args, "--", question], cwd=WORKDIR, env=env,
                          capture_output=True, text=True, timeout=300)

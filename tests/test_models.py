@@ -32,7 +32,7 @@ ctx-size = 1536
 
 [{GEMMA}]
 ctx-size = 1024
-model-alias = gemma, gemma-*
+model-alias = gemma, gemma-*, claude-haiku-*
 
 [{SMOL}]
 cache-share = 3
@@ -155,8 +155,10 @@ def test_names_aliases_and_unknown_models(two):
     aliased = client.chat.completions.create(model="claude-haiku-4-5", messages=CHAT,
                                              max_tokens=4)
     assert aliased.model == "claude-haiku-4-5"
-    # The alias is the first model's.
+    # `claude-*` is the first model's; Gemma's closer `claude-haiku-*` wins over it.
     assert tokenize(two, PROMPT, "claude-x") == tokenize(two, PROMPT, SMOL)
+    assert tokenize(two, PROMPT, "claude-haiku-4-5") == tokenize(two, PROMPT, GEMMA)
+    assert tokenize(two, PROMPT, "gemma-3") == tokenize(two, PROMPT, GEMMA)
     with pytest.raises(openai.NotFoundError, match="`nope` does not exist"):
         client.chat.completions.create(model="nope", messages=CHAT, max_tokens=4)
 

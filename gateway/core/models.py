@@ -137,12 +137,12 @@ class Models:
         return model
 
     def named(self, name: str) -> ServedModel:
-        """The model `name` names, by its name first, then by an alias; a 404 for one not
-        served, a 503 while the gateway starts."""
+        """The model `name` names: by its name, else by its closest alias (the first model on
+        a tie); a 404 for one not served, a 503 while the gateway starts."""
         if not self._opened.is_set():
             raise APIError(503, "The model is still loading; retry shortly", code="model_loading")
-        model = next((m for m in self.all if m.name == name), None) or next(
-            (m for m in self.all if m.config.answers_to(name)), None)
+        closeness = [m.config.answers_to(name) for m in self.all]
+        model = self.all[closeness.index(max(closeness))] if any(closeness) else None
         if model is None:
             raise APIError(404, f"The model `{name}` does not exist", "model", "model_not_found")
         return model
