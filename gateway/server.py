@@ -17,6 +17,7 @@ import time
 from aiohttp import web
 
 from gateway.anthropic import routes as anthropic_routes
+from gateway.core.generation import metrics_model
 from gateway.core.service import HISTORY_STEP, Gateway, ServerConfig
 from gateway.dynamo.front import DynamoFront, NodesCollector
 from gateway.dynamo.node import DynamoNode, NodeError
@@ -88,7 +89,8 @@ async def count_responses(request: web.Request, handler) -> web.StreamResponse:
     """Every answer by its status. Outermost: api_errors has made every failure a response."""
     response = await handler(request)
     if request.path not in UNCOUNTED_PATHS:
-        request.app["gateway"].metrics.responses.labels(str(response.status)).inc()
+        request.app["gateway"].metrics.responses.labels(metrics_model(request),
+                                                        str(response.status)).inc()
     return response
 
 

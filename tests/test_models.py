@@ -14,7 +14,7 @@ import pytest
 from gateway.cli import build_parser, server_config
 from gateway.workers.model_files import ModelsError, model_id, served_paths
 from gateway.workers.model_store import GEMMA3_270M, default_model_path, model_path
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import GatewayProcess, scrape
 from tests.conftest import openai_client
 from tests.test_cache_controls import admin
 from tests.test_cache_explain import post
@@ -176,6 +176,32 @@ def test_each_model_has_its_own_cache_and_metrics(two):
     for model in (SMOL, GEMMA):
         status, stats = admin(two, "GET", f"/v1/cache/stats?model={model}", ADMIN)
         assert status == 200 and stats["model"] == model and stats["pool"]["blocks_used"]
+
+
+def test_request_metrics_are_labelled_by_the_served_model(two):
+    """Each request's metrics under the id of the model that served it, an alias too; a name
+    no model answers to adds no label value (under no model: Prometheus's absent label)."""
+    def counts() -> dict[tuple, float]:
+        return {(s.name, s.labels.get("model"), s.labels.get("code")): s.value
+                for s in scrape(two.base_url) if "le" not in s.labels}
+
+    before = counts()
+    openai_client(two).chat.completions.create(model="gemma", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        openai_client(two).chat.completions.create(model="no-such", messages=CHAT, max_tokens=2)
+    after = counts()
+    grown = {key for key, value in after.items() if value > before.get(key, 0)}
+    assert {("prefixgate_requests_total", GEMMA, None),
+            ("prefixgate_time_to_first_token_seconds_count", GEMMA, None),
+            ("prefixgate_e2e_request_latency_seconds_count", GEMMA, None),
+            ("prefixgate_prompt_tokens_total", GEMMA, None),
+            ("prefixgate_generation_tokens_total", GEMMA, None),
+            ("prefixgate_http_responses_total", GEMMA, "200"),
+            ("prefixgate_http_responses_total", "", "404")} <= grown
+    assert not any(model == SMOL and name.startswith(("prefixgate_requests_total",
+                                                      "prefixgate_time_to_first"))
+                   for name, model, _ in grown)
+    assert {model for _, model, _ in after} == {None, "", SMOL, GEMMA}
 
 
 def test_which_files_are_served(tmp_path):

@@ -30,6 +30,7 @@ from gateway.core.models import ServedModel
 from gateway.core.requests import Generating, RequestT, Serving, parse_request
 from gateway.core.service import Gateway
 from gateway.edge.errors import APIError, invalid
+from gateway.edge.metrics import NO_MODEL
 from gateway.formats.chat_formats import OutputParser, Part, call_grammar_of
 from gateway.formats.prompts import Pin, RenderedPrompt
 from gateway.workers.handles import GenerationHandle
@@ -179,7 +180,7 @@ async def generate(request: web.Request, model: ServedModel, body: Generating,
     gateway: Gateway = request.app["gateway"]
     limits = gateway.config.limits
     prompt_tokens = prompt.tokens
-    admit_prompt(gateway, request["key"], len(prompt_tokens))  # before building a grammar
+    admit_prompt(gateway, model, request["key"], len(prompt_tokens))  # before building a grammar
     # The model loaded first, if it is not (the request waits, as in a queue: its plan reads
     # the model's context), and never unloaded while the request holds it.
     async with gateway.models.serving(model, limits.request_timeout):
@@ -201,7 +202,7 @@ async def _generate(request: web.Request, model: ServedModel, body: Generating,
                       "(--max-n)", "n")
     async with running(gateway, model, dataclasses.replace(planned, generation=generation),
                        request["key"]) as (handles, choices, held):
-        timer = gateway.metrics.request_timer(len(prompt_tokens))
+        timer = gateway.metrics.request_timer(model.name, len(prompt_tokens))
 
         def cache_header() -> dict[str, str]:
             """What the first choice got from the cache (its usage's cached tokens)."""
@@ -322,28 +323,41 @@ async def read_body(request: web.Request, kind: type[RequestT]
                     ) -> tuple[RequestT, ServedModel]:
     """A request's body, parsed as `kind`, and the served model it names, within its key's
     rate limit: before any work on it."""
-    gateway: Gateway = request.app["gateway"]
     body = parse_request(kind, await request.read())
-    model = gateway.require_model(body.model)
+    model = requested_model(request, body.model)
     admit(request)
     return body, model
+
+
+def requested_model(request: web.Request, name: str) -> ServedModel:
+    """The served model `name` names (Gateway.require_model), noted on the request: the
+    `model` its metrics are counted under (its id, whatever alias the client wrote)."""
+    model = request.app["gateway"].require_model(name)
+    request["model"] = model.name
+    return model
+
+
+def metrics_model(request: web.Request) -> str:
+    """The `model` label of a request's metrics: its served model's id, once it is known."""
+    return request.get("model", NO_MODEL)
 
 
 def admit(request: web.Request) -> None:
     """The key's rate limit, before any work on the request (rendering, tokenizing, grammars)."""
     gateway: Gateway = request.app["gateway"]
     if gateway.rate_limiter is not None and request["key"] is not None:
-        _refuse_for(gateway, gateway.rate_limiter.admit(request["key"]))
+        _refuse_for(gateway, metrics_model(request), gateway.rate_limiter.admit(request["key"]))
 
 
-def admit_prompt(gateway: Gateway, key: str | None, prompt_tokens: int) -> None:
+def admit_prompt(gateway: Gateway, model: ServedModel, key: str | None,
+                 prompt_tokens: int) -> None:
     if gateway.rate_limiter is not None and key is not None:
-        _refuse_for(gateway, gateway.rate_limiter.admit_prompt(key, prompt_tokens))
+        _refuse_for(gateway, model.name, gateway.rate_limiter.admit_prompt(key, prompt_tokens))
 
 
-def _refuse_for(gateway: Gateway, wait: int | None) -> None:
+def _refuse_for(gateway: Gateway, model: str, wait: int | None) -> None:
     if wait is not None:
-        gateway.metrics.refused.labels("rate_limit").inc()
+        gateway.metrics.refused.labels(model, "rate_limit").inc()
         raise APIError(429, "This key's rate limit (--rate-limit-rpm, --rate-limit-tpm) is "
                             f"reached; retry in {wait} s", code="rate_limit_exceeded",
                        headers={"Retry-After": str(wait)})
@@ -370,7 +384,7 @@ def _submit(gateway: Gateway, model: ServedModel, generations: list[GenerationRe
     try:
         return model.engines.submit_group(generations, cache_key, pool_cached, pins)
     except Overloaded as exc:
-        gateway.metrics.refused.labels("capacity").inc()
+        gateway.metrics.refused.labels(model.name, "capacity").inc()
         raise _at_capacity(str(exc)) from None
     except EngineUnavailable as exc:
         raise APIError(503, f"The engine is not serving: {exc}", code="engine_unavailable"

@@ -54,7 +54,8 @@ class Generate:
             async with running(gateway, self.model, plan, key=None) as (handles, choices, _):
                 watcher = asyncio.ensure_future(_on_stop(context, handles))
                 try:
-                    timer = gateway.metrics.request_timer(len(generation.prompt_tokens))
+                    timer = gateway.metrics.request_timer(self.model.name,
+                                                          len(generation.prompt_tokens))
                     async with contextlib.aclosing(outputs(handles, choices, timer)) as stream:
                         async for _, output in stream:
                             if context.is_stopped() or context.is_killed():  # client gone

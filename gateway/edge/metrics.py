@@ -30,41 +30,51 @@ if TYPE_CHECKING:
     from gateway.workers.supervisor import WorkerView
 
 REFUSAL_REASONS = ("capacity", "rate_limit")
+NO_MODEL = ""  # the `model` of a request that named no served model (absent in Prometheus)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 class Metrics:
+    """Request metrics carry the served model's id (`model`): a name no model answers to, or a
+    request refused before its model was read, counts under NO_MODEL, so clients cannot add
+    label values."""
+
     def __init__(self, models: list[ServedModel], responses: ResponseStore) -> None:
         self.started = time.monotonic()
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("prefixgate_time_to_first_token_seconds",
-                              "Time from request to first generated text", registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              "Time from request to first generated text", ["model"],
+                              registry=r, buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("prefixgate_inter_token_latency_seconds",
-                             "Gap between successive streamed outputs", registry=r,
+                             "Gap between successive streamed outputs", ["model"], registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("prefixgate_e2e_request_latency_seconds",
-                             "Time from request to its last output", registry=r,
+                             "Time from request to its last output", ["model"], registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.prompt_tokens = Counter("prefixgate_prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
+                                     ["model"], registry=r)
         self.generation_tokens = Counter("prefixgate_generation_tokens",
-                                         "Completion tokens generated", registry=r)
+                                         "Completion tokens generated", ["model"], registry=r)
         self.requests = Counter("prefixgate_requests", "Finished requests by finish reason",
-                                ["finish_reason"], registry=r)
+                                ["model", "finish_reason"], registry=r)
         self.responses = Counter("prefixgate_http_responses",
                                  "Responses by HTTP status (/health and /metrics left out)",
-                                 ["code"], registry=r)
+                                 ["model", "code"], registry=r)
         self.refused = Counter("prefixgate_requests_refused",
                                "Requests refused with a 429: the queue was full (capacity) or "
-                               "the key's rate limit was reached (rate_limit)", ["reason"],
-                               registry=r)
-        for reason in REFUSAL_REASONS:  # a series from the start, so rate() sees the first one
-            self.refused.labels(reason)
+                               "the key's rate limit was reached (rate_limit)",
+                               ["model", "reason"], registry=r)
         self.hosted_tools_left_out = Counter(
             "prefixgate_responses_hosted_tools_left_out",
             "Hosted tools (web_search, ...) a /v1/responses request offered, which cannot run "
-            "here and were left out of the prompt", ["type"], registry=r)
+            "here and were left out of the prompt", ["model", "type"], registry=r)
+        # A series for each model from the start, so rate() sees the first request.
+        for model in models:
+            for family in (self.ttft, self.itl, self.e2e, self.prompt_tokens,
+                           self.generation_tokens):
+                family.labels(model.name)
+            for reason in REFUSAL_REASONS:
+                self.refused.labels(model.name, reason)
         r.register(_EngineCollector(models))
         r.register(_ModelsCollector(models))
         entries = Gauge("prefixgate_response_store_entries",
@@ -75,10 +85,11 @@ class Metrics:
         stored.set_function(lambda: responses.stats[1])
         self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
         self.ttft_count = 0
-        self.prefill = PrefillSpeed()
+        self.prefill = {model.name: PrefillSpeed() for model in models}  # each model's own
 
-    def request_timer(self, prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, prompt_tokens)
+    def request_timer(self, model: str, prompt_tokens: int) -> RequestTimer:
+        """`model`: the served model's id."""
+        return RequestTimer(self, model, prompt_tokens)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -87,8 +98,9 @@ class Metrics:
 class RequestTimer:
     """Observes one request's latencies from the outputs it receives."""
 
-    def __init__(self, metrics: Metrics, prompt_tokens: int) -> None:
+    def __init__(self, metrics: Metrics, model: str, prompt_tokens: int) -> None:
         self._metrics = metrics
+        self._model = model
         self._prompt_tokens = prompt_tokens
         self._start = self._last = time.monotonic()
         self._first_seen = False
@@ -96,24 +108,24 @@ class RequestTimer:
 
     def on_output(self, output: Output) -> None:
         now = time.monotonic()
-        m = self._metrics
+        m, model = self._metrics, self._model
         cached = output.usage.cached_tokens if output.usage else output.cached_tokens
         if cached is not None and not self._prefill_seen:  # the prompt is computed by now
-            m.prefill.observe(self._prompt_tokens - cached, now - self._start)
+            m.prefill[model].observe(self._prompt_tokens - cached, now - self._start)
             self._prefill_seen = True
         if output.text:
             gap = now - (self._last if self._first_seen else self._start)
-            (m.itl if self._first_seen else m.ttft).observe(gap)
+            (m.itl if self._first_seen else m.ttft).labels(model).observe(gap)
             if not self._first_seen:  # what the cache page's TTFT line reads
                 m.ttft_seconds += gap
                 m.ttft_count += 1
             self._first_seen = True
             self._last = now
         if output.usage:
-            m.e2e.observe(now - self._start)
-            m.prompt_tokens.inc(output.usage.prompt_tokens)
-            m.generation_tokens.inc(output.usage.completion_tokens)
-            m.requests.labels(output.finish_reason or "error").inc()
+            m.e2e.labels(model).observe(now - self._start)
+            m.prompt_tokens.labels(model).inc(output.usage.prompt_tokens)
+            m.generation_tokens.labels(model).inc(output.usage.completion_tokens)
+            m.requests.labels(model, output.finish_reason or "error").inc()
 
 
 class _EngineCollector(Collector):

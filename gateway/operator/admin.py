@@ -8,7 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.core.generation import json_response
+from gateway.core.generation import json_response, requested_model
 from gateway.core.models import ServedModel
 from gateway.core.requests import Strict, parse_request
 from gateway.core.service import Gateway
@@ -48,7 +48,7 @@ def _require_admin_key(request: web.Request) -> Gateway:
 def _require_admin(request: web.Request) -> tuple[Gateway, ServedModel, SharedPool]:
     """The admin key's request, for the model `?model=` names (the first served without)."""
     gateway = _require_admin_key(request)
-    model = gateway.require_model(request.query.get("model", gateway.default_model.name))
+    model = requested_model(request, request.query.get("model", gateway.default_model.name))
     return gateway, model, model.require_pool()
 
 
@@ -71,7 +71,9 @@ async def unload_model(request: web.Request) -> web.Response:
 
 async def _admin_model(request: web.Request) -> tuple[Gateway, ServedModel]:
     gateway = _require_admin_key(request)
-    return gateway, gateway.models.named(parse_request(ModelName, await request.read()).model)
+    model = gateway.models.named(parse_request(ModelName, await request.read()).model)
+    request["model"] = model.name
+    return gateway, model
 
 
 class ModelName(Strict):

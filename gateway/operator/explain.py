@@ -29,7 +29,7 @@ from aiohttp import web
 from cache.index import namespace_hash
 from cache.tokens import COMPUTED_TAIL, resume_point
 from gateway.core.conversation import Message
-from gateway.core.generation import admit, json_response
+from gateway.core.generation import admit, json_response, requested_model
 from gateway.core.models import ServedModel
 from gateway.core.requests import parse_request
 from gateway.core.service import Gateway
@@ -73,7 +73,7 @@ async def explain(request: web.Request) -> web.Response:
     found = await asyncio.to_thread(_find, model, pool, tokens, namespace)
     best = max(found.live, found.pool, found.redis or 0)
     cached = resume_point(min(best, len(tokens) - COMPUTED_TAIL)) if best else 0
-    speed = gateway.metrics.prefill.tokens_per_second()
+    speed = gateway.metrics.prefill[model.name].tokens_per_second()
     to_compute = len(tokens) - cached
     return json_response({
         "object": "cache.explanation",
@@ -138,15 +138,15 @@ async def _render(request: web.Request, gateway: Gateway
         raise invalid("We could not parse the JSON body of your request") from None
     if isinstance(fields, dict) and "messages" in fields:
         body = parse_request(ChatCompletionRequest, raw)
-        model = gateway.require_model(body.model)
+        model = requested_model(request, body.model)
         return model, await chat_prompt(model, body)
     if isinstance(fields, dict) and "input" in fields:
         body = parse_request(ResponsesRequest, raw)
-        model = gateway.require_model(body.model)
+        model = requested_model(request, body.model)
         return model, (await response_prompt(gateway, model, body, owner(request))).prompt
     if isinstance(fields, dict) and "prompt" in fields:
         body = parse_request(CompletionRequest, raw)
-        model = gateway.require_model(body.model)
+        model = requested_model(request, body.model)
         return model, await completion_prompt(model, body)
     raise invalid("Explain takes the body of a chat completion (messages), a completion "
                   "(prompt) or a Responses request (input)")

@@ -12,7 +12,7 @@ from aiohttp import web
 from engine.llama import Model
 from gateway.core import bounds
 from gateway.core.bounds import at_most
-from gateway.core.generation import admit, json_response
+from gateway.core.generation import admit, json_response, requested_model
 from gateway.core.models import ServedModel
 from gateway.core.requests import Strict, parse_request
 from gateway.core.service import Gateway
@@ -27,10 +27,9 @@ routes = web.RouteTableDef()
 
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
-    gateway: Gateway = request.app["gateway"]
     admit(request)
     body = await asyncio.to_thread(parse_request, TokenizeRequest, await request.read())
-    model = _model(gateway, body.model)
+    model = _model(request, body.model)
     tokens = await asyncio.to_thread(model.vocab.tokenize, body.content,
                                      add_special=body.add_special, parse_special=True)
     _within_token_bound(model, len(tokens), "content")
@@ -48,7 +47,7 @@ async def detokenize(request: web.Request) -> web.Response:
     # and its comma take at most 8 bytes with this vocabulary's 6-digit ids and a space).
     _within_token_bound(gateway.default_model, len(raw) // 8, "tokens")
     body = await asyncio.to_thread(parse_request, DetokenizeRequest, raw)
-    model = _model(gateway, body.model)
+    model = _model(request, body.model)
     _within_token_bound(model, len(body.tokens), "tokens")
     content = await asyncio.to_thread(_detokenized, model.vocab, body.tokens)
     return json_response({"content": content})
@@ -59,19 +58,19 @@ async def apply_template(request: web.Request) -> web.Response:
     """A chat completion request's prompt, as the model's template renders it (tools and
     earlier calls in the model's own format), without generating: what a cache miss can be
     checked against."""
-    gateway: Gateway = request.app["gateway"]
     admit(request)
     body = await asyncio.to_thread(parse_request, ChatCompletionRequest, await request.read())
-    model = gateway.require_model(body.model)
+    model = requested_model(request, body.model)
     text = await asyncio.to_thread(model.prompts.render_chat, body.messages,
                                    body.toolbox, Reasoning.of_effort(body.reasoning_effort))
     return json_response({"prompt": text, "format": model.prompts.format.name})
 
 
-def _model(gateway: Gateway, name: str | None) -> ServedModel:
+def _model(request: web.Request, name: str | None) -> ServedModel:
     """The model a body names (llama-server's router takes `model` there too), else the
     first served."""
-    return gateway.require_model(gateway.default_model.name if name is None else name)
+    return requested_model(request, request.app["gateway"].default_model.name
+                           if name is None else name)
 
 
 def _within_token_bound(model: ServedModel, n_tokens: int, param: str) -> None:

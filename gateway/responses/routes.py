@@ -34,7 +34,7 @@ _hosted_logged: set[str] = set()  # each hosted tool type is logged once
 async def create_response(request: web.Request) -> web.StreamResponse:
     gateway: Gateway = request.app["gateway"]
     body, model = await read_body(request, ResponsesRequest)
-    _leave_out_hosted_tools(gateway, body)
+    _leave_out_hosted_tools(gateway, model, body)
     context = await response_prompt(gateway, model, body, owner(request), with_pins=True)
     prompt = context.prompt
     body.check_compaction(len(prompt.tokens))
@@ -220,9 +220,10 @@ def _not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
 
 
-def _leave_out_hosted_tools(gateway: Gateway, body: ResponsesRequest) -> None:
+def _leave_out_hosted_tools(gateway: Gateway, model: ServedModel, body: ResponsesRequest
+                            ) -> None:
     for kind in body.hosted_tools():
-        gateway.metrics.hosted_tools_left_out.labels(kind).inc()
+        gateway.metrics.hosted_tools_left_out.labels(model.name, kind).inc()
         if kind not in _hosted_logged:
             _hosted_logged.add(kind)
             log.warning("/v1/responses: the hosted tool %r cannot run here; it is left out of "
