@@ -56,9 +56,14 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
 
 
 def totals(samples: list[Sample]) -> dict[str, float]:
-    """Sample name -> value, for samples labelled by nothing but their model (a gateway of one
-    model: its totals)."""
-    return {s.name: s.value for s in samples if set(s.labels) <= {"model"}}
+    """Sample name -> value, for samples labelled by nothing but their model, summed over the
+    models: the gateway's totals (a size such as prefixgate_kv_pool_block_tokens is one
+    model's only on a gateway of one model; `labelled(name, "model")` has each's)."""
+    out: dict[str, float] = {}
+    for s in samples:
+        if set(s.labels) <= {"model"}:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
 
 
 def scrape(base_url: str, metrics_key: str | None = None) -> list[Sample]:
@@ -136,8 +141,8 @@ class GatewayProcess(ServerProcess):
                          cwd=source, env=env, health_timeout=health_timeout, host=host)
 
     def metrics(self) -> dict[str, float]:
-        """Sample name -> value, for samples labelled by nothing but their model (a gateway
-        of one model: its totals)."""
+        """Sample name -> value, for samples labelled by nothing but their model, summed over
+        the models (totals())."""
         return totals(self._samples())
 
     def per_worker(self, name: str) -> dict[str, float]:
