@@ -77,6 +77,14 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
                    help="the most memory the loaded models may take together, as estimated "
                         "(weights, each worker's KV cells, its part of the pool); loading "
                         "past it unloads the least recently used idle ones (default: no bound)")
+    p.add_argument("--models-swap-grace", type=float, default=2.0, metavar="SECONDS",
+                   help="a model whose last request ended less than this ago is not unloaded "
+                        "for another model's requests: a session's next turn finds its model "
+                        "still loaded instead of swapping it back (0: swap at once)")
+    p.add_argument("--models-swap-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="requests for a loaded model keep being served while another model's "
+                        "wait for its room, until one has waited this long: then the busy "
+                        "model drains and is unloaded for it (no model starves)")
     p.add_argument("--idle-unload-seconds", "--sleep-idle-seconds", type=float, default=0,
                    help="unload a model no request has used for this long; it loads again on "
                         "its next request (0: never; Ollama's keep_alive)")
@@ -513,11 +521,13 @@ def server_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                    for name, path, flags in served)
     if args.models_max is not None and args.models_max < 1:
         parser.error("--models-max must be at least 1")
+    if args.models_swap_grace < 0 or args.models_swap_wait < 0:
+        parser.error("--models-swap-grace and --models-swap-wait cannot be negative")
     return ServerConfig(
         models=models,
         loading=LoadPolicy(args.models_max, args.models_memory_mb and args.models_memory_mb << 20,
                            args.idle_unload_seconds or None, args.drain_seconds,
-                           args.max_queue),
+                           args.max_queue, args.models_swap_grace, args.models_swap_wait),
         host=args.host,
         port=args.port,
         drain_seconds=args.drain_seconds,

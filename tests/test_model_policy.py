@@ -52,6 +52,9 @@ class FakeModel:
     def start(self, loop) -> None:
         self.loads += 1
 
+    def stop(self) -> None:
+        self.engines.stop()
+
     def close(self) -> None:
         pass
 
@@ -75,7 +78,7 @@ def loaded(*models: FakeModel) -> list[str]:
 @run
 async def test_the_least_recently_used_idle_model_makes_room():
     a, b, c = FakeModel("a"), FakeModel("b"), FakeModel("c")
-    models = catalogue(LoadPolicy(max_loaded=2), a, b, c)
+    models = catalogue(LoadPolicy(max_loaded=2, swap_grace=0), a, b, c)
     await use(models, a)
     await use(models, b)
     await use(models, a)  # b is now the least recently used
@@ -87,7 +90,7 @@ async def test_the_least_recently_used_idle_model_makes_room():
 @run
 async def test_the_memory_budget_holds_and_a_model_past_it_fails_by_name():
     a, b, huge = FakeModel("a", 60), FakeModel("b", 60), FakeModel("huge", 200)
-    models = catalogue(LoadPolicy(memory_bytes=100 << 20), a, b, huge)
+    models = catalogue(LoadPolicy(memory_bytes=100 << 20, swap_grace=0), a, b, huge)
     await use(models, a)
     await use(models, b)
     assert loaded(a, b, huge) == ["b"]
@@ -100,7 +103,7 @@ async def test_the_memory_budget_holds_and_a_model_past_it_fails_by_name():
 @run
 async def test_a_model_in_use_is_never_unloaded_for_another():
     a, b = FakeModel("a"), FakeModel("b")
-    models = catalogue(LoadPolicy(max_loaded=1), a, b)
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=0), a, b)
     holding = asyncio.Event()
     release = asyncio.Event()
 
@@ -124,15 +127,16 @@ async def test_a_model_in_use_is_never_unloaded_for_another():
 @run
 async def test_waiting_for_a_load_is_bounded_by_the_queue_and_the_timeout():
     a, b = FakeModel("a"), FakeModel("b")
-    models = catalogue(LoadPolicy(max_loaded=1, max_waiting=2), a, b)
-    release = asyncio.Event()
+    models = catalogue(LoadPolicy(max_loaded=1, max_waiting=2, swap_grace=0), a, b)
+    holding, release = asyncio.Event(), asyncio.Event()
 
     async def hold_a() -> None:
         async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            holding.set()
             await release.wait()
 
     holder = asyncio.create_task(hold_a())
-    await asyncio.sleep(0)
+    await holding.wait()
     waiters = [asyncio.create_task(use(models, b))]
     await asyncio.sleep(0)
     with pytest.raises(APIError) as late:  # a second waiter, while a holds the only room
@@ -147,3 +151,94 @@ async def test_waiting_for_a_load_is_bounded_by_the_queue_and_the_timeout():
     release.set()
     await asyncio.gather(holder, *waiters)
     assert loaded(a, b) == ["b"]
+
+
+async def ticks(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@run
+async def test_a_model_just_used_keeps_the_room_for_its_next_turn():
+    """A session's next turn comes moments after its last answer: within --models-swap-grace
+    its model is not unloaded for another's waiting request, and its own requests keep being
+    served (one load each, not a swap per turn)."""
+    a, b = FakeModel("a"), FakeModel("b")
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=3600, swap_wait=3600), a, b)
+    await use(models, a)
+    waiting = asyncio.create_task(use(models, b))
+    await ticks()
+    for _ in range(3):  # the session's next turns
+        await use(models, a)
+        await ticks()
+    assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (1, 0) and b.waiting == 1
+    await models.unload(a)  # the grace is the only thing that held b back
+    await asyncio.wait_for(waiting, 30)
+    assert loaded(a, b) == ["b"]
+
+
+@run
+async def test_a_model_kept_busy_cannot_starve_another_past_the_swap_wait():
+    """Requests for a loaded model keep being admitted while another's wait, until one has
+    waited --models-swap-wait: then the busy model drains (its new requests wait in turn), the
+    other loads, and after the same bound the first comes back."""
+    a, b = FakeModel("a"), FakeModel("b")
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=3600, swap_wait=0.2), a, b)
+    stop = asyncio.Event()
+    served_a = 0
+
+    async def one_a(entered: asyncio.Event, leave: asyncio.Event) -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            entered.set()
+            await leave.wait()
+
+    async def relay() -> None:  # a never idle: each request begins before the last ends
+        nonlocal served_a
+        held: tuple[asyncio.Task, asyncio.Event] | None = None
+        while not stop.is_set():
+            entered, leave = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(one_a(entered, leave))
+            if held is not None:
+                held[1].set()
+                await held[0]
+                served_a += 1
+            await entered.wait()
+            await asyncio.sleep(0.01)
+            held = task, leave
+        if held is not None:
+            held[1].set()
+            await held[0]
+
+    relaying = asyncio.create_task(relay())
+    await asyncio.sleep(0.05)
+    async with models.serving(b, timeout=30):  # type: ignore[arg-type]
+        assert loaded(a, b) == ["b"] and a.unloads == 1
+    while a.loads < 2:  # a's requests waited in turn, and took the room back
+        await asyncio.sleep(0.01)
+    stop.set()
+    await relaying
+    assert served_a > 2 and (a.loads, b.loads) == (2, 1)
+
+
+@run
+async def test_the_model_with_the_most_requests_waiting_loads_first():
+    a, b, c = FakeModel("a"), FakeModel("b"), FakeModel("c")
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=0, swap_wait=3600), a, b, c)
+    order: list[str] = []
+    for m in (a, b, c):
+        m.start = lambda loop, m=m: order.append(m.name)  # type: ignore[method-assign]
+    release = asyncio.Event()
+
+    async def hold_a() -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            await release.wait()
+
+    holder = asyncio.create_task(hold_a())
+    await ticks()
+    first = asyncio.create_task(use(models, b))  # b waited first, c has more waiting
+    await ticks()
+    more = [asyncio.create_task(use(models, c)) for _ in range(2)]
+    await ticks()
+    release.set()
+    await asyncio.gather(holder, first, *more)
+    assert order == ["a", "c", "b"]

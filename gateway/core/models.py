@@ -10,6 +10,15 @@ and Ollama do:
   worker's KV cells, their part of the pool) within `--models-memory-mb`: loading one past
   either unloads the least recently used model that no request holds; while every loaded model
   is in use, the load waits for one to come free.
+- Swaps are batched by model, as llama-server's router and Ollama do, with two bounds of ours:
+  a model whose last request ended less than `--models-swap-grace` ago is not unloaded for
+  another (a session's next turn arrives milliseconds after its last answer: without the grace
+  it would find its model gone and swap it back), and requests for a loaded model keep being
+  admitted while another model's wait; but once a request has waited `--models-swap-wait` for
+  its model, it takes the room even from a busy one (which drains, its new requests waiting in
+  turn), so no model starves behind a busy one. Several models waiting for the room: the one
+  whose request passed that bound first, else the one with the most requests waiting, else the
+  one waited for longest, loads first.
 - `--idle-unload-seconds`: a model no request has used for that long is unloaded.
 - A model is never unloaded under a request: a request holds its model from the moment it is
   admitted to its last output (`Models.serving`); an unload lets those finish (up to
@@ -53,6 +62,8 @@ class LoadPolicy:
     idle_seconds: float | None = None  # unloaded after this long unused; None: never
     drain_seconds: float = 30.0  # how long an unload lets the requests in flight finish
     max_waiting: int = 128  # requests waiting for one model to load
+    swap_grace: float = 2.0  # a model used this recently is not unloaded for another
+    swap_wait: float = 30.0  # a request waiting this long takes the room even from a busy model
 
 
 class ServedModel:
@@ -126,6 +137,7 @@ class Models:
         self._changed = asyncio.Event()  # replaced at each change: waiters wake and look again
         self._deciding = asyncio.Lock()  # one load's room made at a time
         self._loads: dict[str, asyncio.Task] = {}
+        self._waits: dict[str, list[float]] = {}  # per model, when its waiting requests came
         self._opened = threading.Event()
         self._stopping = False  # draining: nothing loads any more
 
@@ -218,6 +230,9 @@ class Models:
                                f"`{model.name}` to load; retry shortly",
                                code="rate_limit_exceeded", headers={"Retry-After": "1"})
             model.waiting += 1
+            waits = self._waits.setdefault(model.name, [])
+            came = time.monotonic()
+            waits.append(came)
             try:
                 await asyncio.wait_for(self._until_loaded(model), timeout)
             except TimeoutError:
@@ -225,6 +240,7 @@ class Models:
                                f"{timeout:.0f} s", code="timeout") from None
             finally:
                 model.waiting -= 1
+                waits.remove(came)
         model.in_use += 1
         model.last_used = time.monotonic()
         try:
@@ -258,36 +274,50 @@ class Models:
         return task
 
     async def load(self, model: ServedModel) -> None:
-        """Makes room for it (unloading the least recently used idle models), then loads it;
+        """Makes room for it when its turn comes (`_next_to_load`, `_victim`), then loads it;
         a failure is kept in its state."""
         if model.state in ("loaded", "loading"):
             return
-        if self._stopping:
-            model.state, model.load_error = "failed", "the server is shutting down"
+        if model.memory_bytes > (self.policy.memory_bytes or model.memory_bytes):
+            model.state = "failed"
+            model.load_error = (f"it needs about {model.memory_bytes >> 20} MiB, past "
+                                f"--models-memory-mb {self.policy.memory_bytes >> 20}")
             self._notify()
             return
-        async with self._deciding:
-            if model.memory_bytes > (self.policy.memory_bytes or model.memory_bytes):
-                model.state = "failed"
-                model.load_error = (f"it needs about {model.memory_bytes >> 20} MiB, past "
-                                    f"--models-memory-mb {self.policy.memory_bytes >> 20}")
-                self._notify()
-                return
-            while not self._fits(model, self._loaded()):
-                victim = self._least_recently_used_idle(model)
-                if victim is None:  # every loaded model serves someone: wait for one
-                    await self._change()
-                    continue
-                log.info("unloading %r to make room for %r", victim.name, model.name)
-                await self._unload(victim)
-            model.state, model.load_error = "loading", None
-            self._notify()
+        while not await self._make_room(model):
+            # a request ends, a model unloads, or a bound passes
+            await self._change(timeout=self._wake_in(model))
+        if model.state != "loading":  # loaded by another caller meanwhile, or refused
+            return
         try:
             await asyncio.to_thread(self._start, model, self._loop)
         finally:  # whatever happened, its waiters look again (a cancelled load: failed)
             if model.state == "loading":
                 model.state, model.load_error = "failed", "its load was interrupted"
             self._notify()
+
+    async def _make_room(self, model: ServedModel) -> bool:
+        """True once `model` is `loading` (its room made: idle models unloaded for it) or
+        need not load; False while it must wait for its turn or for a model to come free."""
+        async with self._deciding:  # one model's room made at a time
+            while True:
+                if model.state != "unloaded":
+                    return True
+                if self._stopping:
+                    model.state, model.load_error = "failed", "the server is shutting down"
+                    self._notify()
+                    return True
+                first = self._next_to_load(model)
+                if self._fits(model, self._loaded()) and (
+                        first is model or not self._fits(first, self._loaded())):
+                    model.state, model.load_error = "loading", None
+                    self._notify()
+                    return True
+                victim = self._victim(model) if first is model else None
+                if victim is None:
+                    return False
+                log.info("unloading %r to make room for %r", victim.name, model.name)
+                await self._unload(victim)
 
     async def unload(self, model: ServedModel) -> None:
         """Lets the requests holding it finish (up to the drain time), then stops its
@@ -332,12 +362,53 @@ class Models:
             policy.memory_bytes is None
             or sum(m.memory_bytes for m in others) + model.memory_bytes <= policy.memory_bytes)
 
-    def _least_recently_used_idle(self, model: ServedModel) -> ServedModel | None:
+    def _waited(self, model: ServedModel, now: float) -> float:
+        """How long its longest waiting request has waited."""
+        return now - min(self._waits.get(model.name) or [now])
+
+    def _next_to_load(self, model: ServedModel) -> ServedModel:
+        """Of the models waited for that are not loaded (and `model`), the one whose turn it
+        is: a request past --models-swap-wait first (the longest waiting), else the most
+        requests waiting, else the longest waiting."""
+        now = time.monotonic()
+        bound = self.policy.swap_wait
+
+        def turn(m: ServedModel) -> tuple:
+            waited = self._waited(m, now)
+            if waited >= bound:
+                return (0, -waited, 0.0)
+            return (1, -len(self._waits.get(m.name) or ()), -waited)
+
+        pending = [m for m in self.all if m is model
+                   or (m.state == "unloaded" and self._waits.get(m.name))]
+        return min(pending, key=turn)
+
+    def _victim(self, model: ServedModel) -> ServedModel | None:
+        """The model to unload to make room for `model`: the least recently used one no
+        request holds or waits for, unused for --models-swap-grace; once `model`'s requests
+        have waited --models-swap-wait, the least recently used loaded one, busy or not (its
+        requests finish first, up to --drain-seconds). None: wait."""
         # A model requests wait for is theirs as soon as it loads: never taken from them
         # before they run (two models would take turns evicting each other, serving none).
-        idle = [m for m in self.all if m.state == "loaded" and m is not model and not m.in_use
-                and not m.waiting and m._own_engines]
-        return min(idle, key=lambda m: m.last_used, default=None)
+        now = time.monotonic()
+        loaded = [m for m in self.all if m.state == "loaded" and m is not model
+                  and m._own_engines and not m.waiting]
+        idle = [m for m in loaded if not m.in_use
+                and now - m.last_used >= self.policy.swap_grace]
+        if not idle and self._waited(model, now) >= self.policy.swap_wait:
+            idle = loaded
+        return min(idle, key=lambda m: (m.in_use > 0, m.last_used), default=None)
+
+    def _wake_in(self, model: ServedModel) -> float | None:
+        """When a bound `_victim` applies next passes: a grace ends, or `model`'s wait
+        reaches --models-swap-wait (None: only a change can make room)."""
+        now = time.monotonic()
+        ends = [m.last_used + self.policy.swap_grace - now for m in self.all
+                if m.state == "loaded" and not m.in_use and not m.waiting]
+        if self._waits.get(model.name):
+            ends.append(self.policy.swap_wait - self._waited(model, now))
+        ends = [end for end in ends if end > 0]
+        return min(ends) + 0.001 if ends else None
 
     def _notify(self) -> None:
         self._changed.set()
