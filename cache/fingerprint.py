@@ -7,12 +7,21 @@ converted the same way have equal headers; only their data tells them apart, and
 KV for the other would answer silently wrong. xxh3 hashes at memory speed, and llama.cpp has
 just read the same pages, so this costs a pass over the page cache at start (0.1 s for the
 default model). The file name plays no part: copies of one model share their cache.
+
+Walking the header in Python is what costs (a vocabulary is tens of thousands of strings: most
+of a second for SmolLM2 on a busy machine), and a model loaded again (models swapped, a worker
+replaced) would pay it at each load: a file's fingerprint is kept for as long as its identity
+and times (device, inode, size, mtime, ctime) stay, as git trusts its index, and only for a
+file last changed well before it was hashed (a change within the clock's granularity of the
+hash could leave those times equal).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -25,11 +34,30 @@ _STRING = 8
 _ARRAY = 9
 _VERSIONS = (2, 3)  # version 1 had 32-bit counts and lengths
 _CHUNK = 1 << 20
+_SETTLED_NS = 2_000_000_000  # a file changed less than this before its hash is hashed again
+
+_known: dict[str, tuple[tuple[int, ...], str]] = {}  # resolved path: (its stat, fingerprint)
+_known_lock = threading.Lock()
 
 
 def gguf_fingerprint(path: str | Path) -> str:
-    """Hex xxh3-128 of a whole GGUF, its header checked on the way, and of its size."""
-    path = Path(path)
+    """Hex xxh3-128 of a whole GGUF, its header checked on the way, and of its size; kept
+    for a file that has not changed since (the module's docstring)."""
+    key = os.path.realpath(path)
+    st = os.stat(key)
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    with _known_lock:
+        known = _known.get(key)
+    if known is not None and known[0] == identity:
+        return known[1]
+    fingerprint = _hash(Path(path))
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _SETTLED_NS:
+        with _known_lock:
+            _known[key] = identity, fingerprint
+    return fingerprint
+
+
+def _hash(path: Path) -> str:
     with open(path, "rb") as f:
         reader = _HashingReader(f, path, os.fstat(f.fileno()).st_size)
         if reader.size < 4 or reader.take(4) != b"GGUF":

@@ -5,6 +5,7 @@ import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -152,3 +153,27 @@ def test_unsupported_version_or_value_type_raises(tmp_path: Path):
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + bad_array)
     with pytest.raises(ValueError, match="value type 13"):
         gguf_fingerprint(path)
+
+
+def test_kept_while_the_file_is_unchanged_and_hashed_again_once_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A model loaded again (models swapped) does not walk its header again: the
+    fingerprint is kept for a file settled when hashed, and a changed file is hashed anew."""
+    from cache import fingerprint
+
+    walks: list[Path] = []
+    hash_ = fingerprint._hash
+    monkeypatch.setattr(fingerprint, "_hash", lambda path: walks.append(path) or hash_(path))
+    path = tmp_path / "tiny.gguf"
+    data = b"\0" * (-len(synthetic_header()) % 32) + bytes(range(256))
+    path.write_bytes(synthetic_header() + data)
+    changed = max(path.stat().st_mtime_ns, path.stat().st_ctime_ns)
+    now = changed + 1  # hashed as soon as written: its times could hide a change to come
+    monkeypatch.setattr(fingerprint, "time", SimpleNamespace(time_ns=lambda: now))
+    first = gguf_fingerprint(path)
+    assert gguf_fingerprint(path) == first and len(walks) == 2
+    now = changed + 10 * fingerprint._SETTLED_NS  # hashed long after it was written
+    assert gguf_fingerprint(path) == first and len(walks) == 3
+    assert gguf_fingerprint(tmp_path / "." / "tiny.gguf") == first and len(walks) == 3
+    path.write_bytes(synthetic_header(version=2) + data + bytes(32))
+    assert gguf_fingerprint(path) != first and len(walks) == 4
