@@ -64,9 +64,21 @@ def wait_for(condition, what: str, timeout: float = 300) -> None:
 def one_at_a_time():
     """Both models, room for one: SmolLM2 loads at start, Gemma on first use."""
     server = GatewayProcess(default_model_path(), *ARGS, "--model", str(model_path(GEMMA3_270M)),
-                            "--models-max", "1", "--admin-key", ADMIN, "--drain-seconds", "600")
+                            "--models-max", "1", "--admin-key", ADMIN, "--drain-seconds", "600",
+                            "--model-alias", "claude-*")
     yield server
     server.stop()
+
+
+def test_the_start_up_log_lists_what_is_served(one_at_a_time):
+    """A line for each model (id, file, state, aliases, workers, its share of --cache-mb), then
+    the address, logged before /health said ready."""
+    log = one_at_a_time.log_path.read_text()
+    share = "1 worker(s), cache 64 MiB (50% of 128 MiB)"
+    assert f"model {SMOL!r}: {default_model_path()}, loaded, aliases claude-*, {share}" in log
+    assert (f"model {GEMMA!r}: {model_path(GEMMA3_270M)}, not loaded (loads on first use), "
+            f"no aliases, {share}") in log
+    assert f"serving 2 model(s) on {one_at_a_time.base_url}\n" in log
 
 
 def test_requests_swap_the_models_and_each_gets_its_own_answer(one_at_a_time):

@@ -110,6 +110,19 @@ class ServedModel:
         self.engines.start(loop)
         self.loads += 1
 
+    def summary(self, cache_mb: int) -> str:
+        """What the start-up log says of it: its id, file, state, aliases, workers and share
+        of the pools' `cache_mb` together."""
+        workers, cache = self.config.workers, self.config.workers.engine.cache
+        state = {"loaded": "loaded", "unloaded": "not loaded (loads on first use)",
+                 "failed": f"failed to load ({self.load_error})"}.get(self.state, self.state)
+        aliases = "aliases " + ", ".join(self.config.aliases) if self.config.aliases \
+            else "no aliases"
+        pool = f"cache {cache.budget_mb} MiB ({cache.budget_mb / cache_mb:.0%} of {cache_mb} MiB)" \
+            if cache.enabled and cache_mb else "no prefix cache"
+        return (f"model {self.name!r}: {workers.model_path}, {state}, {aliases}, "
+                f"{workers.n_workers} worker(s), {pool}")
+
     def require_pool(self) -> SharedPool:
         """Its block pool, for the cache's operator APIs (explain, admin)."""
         if self.engines.pool is None:

@@ -112,6 +112,8 @@ class Gateway:
                     else self.default_model.load_error
                 return
             self._attach_responses()
+            for line in self.served():  # before /health says ready
+                log.info("%s", line)
         except Exception as exc:
             log.exception("starting failed")
             self.load_error = str(exc)
@@ -131,6 +133,14 @@ class Gateway:
         elif tiers.redis is not None:
             self.shared_responses = SharedResponses(tiers.redis,
                                                     self.config.response_store_hours * 3600)
+
+    def served(self) -> list[str]:
+        """What the start-up log lists once the models are read: a line for each model (its
+        id, file, state, aliases, workers, share of the cache), then where it is served."""
+        caches = [model.config.workers.engine.cache for model in self.models.all]
+        cache_mb = sum(cache.budget_mb for cache in caches if cache.enabled)
+        return [*(model.summary(cache_mb) for model in self.models.all),
+                f"serving {len(caches)} model(s) on http://{self.config.host}:{self.config.port}"]
 
     def cache_totals(self) -> tuple[int, int]:
         """(prompt tokens looked up, prompt tokens served by the cache) so far, every model's."""
