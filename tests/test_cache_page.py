@@ -13,8 +13,10 @@ from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from gateway.workers.model_store import GEMMA3_270M
+from gateway.workers.model_store import model_path as stored_model
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
 
@@ -35,9 +37,9 @@ def browser():
     session.quit()
 
 
-def stats(server: GatewayProcess) -> dict:
-    request = urllib.request.Request(server.base_url + "/v1/cache/stats",
-                                     headers={"Authorization": f"Bearer {ADMIN}"})
+def stats(server: GatewayProcess, model: str | None = None) -> dict:
+    request = urllib.request.Request(server.base_url + "/v1/cache/stats" + (
+        f"?model={model}" if model else ""), headers={"Authorization": f"Bearer {ADMIN}"})
     with urllib.request.urlopen(request, timeout=10) as r:
         return json.loads(r.read())
 
@@ -85,6 +87,49 @@ def test_the_page_follows_the_traffic_and_matches_the_stats(browser, model_path,
         assert not browser.find_element(By.ID, "error").text
         if os.environ.get("PREFIXGATE_SCREENSHOT"):  # docs/cache-page.png is made this way
             browser.save_screenshot(os.environ["PREFIXGATE_SCREENSHOT"])
+    finally:
+        server.stop()
+
+
+def test_with_two_models_the_page_shows_the_one_selected(browser, model_path, model_name):
+    """Gemma's cache holds a prompt read twice, SmolLM2's nothing: the page shows the first
+    model's, and once Gemma is selected, Gemma's blocks, cells, hit rate and prefixes."""
+    gemma = stored_model(GEMMA3_270M)
+    server = GatewayProcess(model_path, "--model", str(gemma), "--parallel", "1", "--ctx-size",
+                            "1024", "--cache-mb", "64", "--admin-key", ADMIN)
+    try:
+        for _ in range(2):
+            openai_client(server).completions.create(
+                model=gemma.stem, max_tokens=2, prompt="The lighthouse keeper's log. " * 20)
+        browser.get(f"{server.base_url}/cache#key={ADMIN}")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+
+        def shows(element_id: str, value: object) -> bool:
+            return browser.find_element(By.ID, element_id).text == str(value)
+
+        smol = stats(server)
+        wait.until(lambda _: shows("blocks-used", smol["pool"]["blocks_used"])
+                   and shows("cells-total", smol["cells"]["total"]))
+        assert shows("hit-rate", "-") and not browser.find_elements(By.CSS_SELECTOR, ".prefix")
+        choice = Select(browser.find_element(By.ID, "model"))
+        assert [o.get_attribute("value") for o in choice.options] == [model_name, gemma.stem]
+        choice.select_by_value(gemma.stem)
+        after = stats(server, gemma.stem)
+        assert after["pool"]["blocks_used"] > smol["pool"]["blocks_used"]
+        wait.until(lambda _: shows("blocks-used", after["pool"]["blocks_used"])
+                   and shows("cells-total", after["cells"]["total"]))
+        assert after["hit_rate"]["all"] > 0
+
+        def shows_the_hit_rate() -> bool:
+            """The page's figure: the last minute's, else since the start (read again: a
+            history sample may be taken meanwhile)."""
+            rates = stats(server, gemma.stem)["hit_rate"]
+            rate = rates["all"] if rates["1m"] is None else rates["1m"]
+            return shows("hit-rate", f"{100 * rate:.1f}%")
+
+        wait.until(lambda _: shows_the_hit_rate())
+        assert browser.find_elements(By.CSS_SELECTOR, "#treemap .prefix")
+        assert not browser.find_element(By.ID, "error").text
     finally:
         server.stop()
 

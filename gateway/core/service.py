@@ -53,6 +53,8 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HistorySample:
+    """One model's counts at a moment."""
+
     at: float  # monotonic
     wall: float
     queried: int
@@ -91,7 +93,7 @@ class Gateway:
         self.metrics = Metrics(self.models.all, self.responses)
         self.rate_limiter = RateLimiter(config.rate_limits) if config.rate_limits.enabled \
             else None
-        self.history: deque[HistorySample] = deque()
+        self.history: deque[dict[str, HistorySample]] = deque()  # each model's, by its name
         self._loaded = threading.Event()
 
     @property
@@ -142,33 +144,34 @@ class Gateway:
         return [*(model.summary(cache_mb) for model in self.models.all),
                 f"serving {len(caches)} model(s) on http://{self.config.host}:{self.config.port}"]
 
-    def cache_totals(self) -> tuple[int, int]:
-        """(prompt tokens looked up, prompt tokens served by the cache) so far, every model's."""
-        hits = [model.engines.tier_hits() for model in self.models.all]
-        return sum(h.queried for h in hits), sum(h.served for h in hits)
-
     def sample_history(self) -> None:
-        """Called every HISTORY_STEP seconds: what the figures over the last minutes read."""
-        now = time.monotonic()
-        pools = [model.engines.pool for model in self.models.all if model.engines.pool]
-        self.history.append(HistorySample(
-            now, time.time(), *self.cache_totals(),
-            sum(pool.index.snapshot().evictions for pool in pools),
-            self.metrics.ttft_seconds, self.metrics.ttft_count))
-        while self.history and self.history[0].at < now - HISTORY_SECONDS:
+        """Called every HISTORY_STEP seconds: what the figures over the last minutes read, each
+        model's."""
+        now, wall = time.monotonic(), time.time()
+        self.history.append({model.name: self._sample(model, now, wall)
+                             for model in self.models.all})
+        while self.history and next(iter(self.history[0].values())).at < now - HISTORY_SECONDS:
             self.history.popleft()
 
+    def _sample(self, model: ServedModel, now: float, wall: float) -> HistorySample:
+        hits, pool = model.engines.tier_hits(), model.engines.pool
+        return HistorySample(now, wall, hits.queried, hits.served,
+                             pool.index.snapshot().evictions if pool is not None else 0,
+                             self.metrics.ttft_seconds[model.name],
+                             self.metrics.ttft_count[model.name])
+
     def cache_stats(self, model: ServedModel) -> dict:
-        """The model's pool, cells, pins and drafts; the hit rates and their history are every
-        model's."""
+        """The model's pool, cells, pins, drafts, hit rates and their history."""
         pool = model.require_pool()
         index, slot_bytes = pool.index.snapshot(), pool.arena.header.slot_bytes
         snaps = [v.snapshot for v in model.engines.views()]
-        now, (queried, hit) = time.monotonic(), self.cache_totals()
+        now, hits = time.monotonic(), model.engines.tier_hits()
+        queried, hit = hits.queried, hits.served
+        history = [step[model.name] for step in self.history]
 
         def hit_rate(seconds: float) -> float | None:
-            past = next((h for h in self.history if h.at >= now - seconds), None)
-            if past is None or queried == past.queried:
+            past = next((h for h in history if h.at >= now - seconds), None)
+            if past is None or queried <= past.queried:  # none since, or reloaded since
                 return None
             return (hit - past.hit) / (queried - past.queried)
 
@@ -185,7 +188,7 @@ class Gateway:
             "pins": {"blocks": index.blocks_pinned, "budget_blocks": index.pin_budget,
                      "fallbacks": index.pin_fallbacks, "hit_tokens": index.pinned_hit_tokens},
             "history": [step.between(previous) for previous, step
-                        in itertools.pairwise(self.history)],
+                        in itertools.pairwise(history)],
             "speculation": draft_counts(snaps),
         }
 

@@ -83,8 +83,9 @@ class Metrics:
         stored = Gauge("prefixgate_response_store_bytes", "Bytes the stored responses hold",
                        registry=r)
         stored.set_function(lambda: responses.stats[1])
-        self.ttft_seconds = 0.0  # sums of the TTFT histogram, kept where they are easy to read
-        self.ttft_count = 0
+        # Each model's TTFT histogram's sum and count, kept where they are easy to read.
+        self.ttft_seconds = {model.name: 0.0 for model in models}
+        self.ttft_count = {model.name: 0 for model in models}
         self.prefill = {model.name: PrefillSpeed() for model in models}  # each model's own
 
     def request_timer(self, model: str, prompt_tokens: int) -> RequestTimer:
@@ -117,8 +118,8 @@ class RequestTimer:
             gap = now - (self._last if self._first_seen else self._start)
             (m.itl if self._first_seen else m.ttft).labels(model).observe(gap)
             if not self._first_seen:  # what the cache page's TTFT line reads
-                m.ttft_seconds += gap
-                m.ttft_count += 1
+                m.ttft_seconds[model] += gap
+                m.ttft_count[model] += 1
             self._first_seen = True
             self._last = now
         if output.usage:
