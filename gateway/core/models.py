@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ from gateway.core.engines import Engines
 from gateway.edge.errors import APIError
 from gateway.formats.prompts import PromptBuilder
 from gateway.workers.shared_pool import SharedPool
+from gateway.workers.spare import Spare
 from gateway.workers.supervisor import Workers
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class ServedModel:
         self.prompts: PromptBuilder | None = None
         self._own_engines = engines is None
         self.engines: Engines = engines or Workers(config.workers)
+        self.spare: Spare | None = None  # a worker process started ahead, for its loads
+        self._saving: threading.Thread | None = None  # its pool closing after an unload
         self.fingerprint = ""  # its GGUF's: what its token ids mean
         self.memory_bytes = 0  # estimated, loaded: weights, its workers' KV, its pool
         self.state = "unloaded"  # loading | loaded | unloading | failed
@@ -106,7 +110,8 @@ class ServedModel:
         if self.vocab is None:  # it could not be read at start
             self.open()
         if self._own_engines:  # a stopped supervisor does not start again: a new one
-            self.engines = Workers(self.config.workers)
+            self._saved()  # its last unload's snapshot, read by this load
+            self.engines = Workers(self.config.workers, self.spare)
         self.engines.start(loop)
         self.loads += 1
 
@@ -132,9 +137,27 @@ class ServedModel:
                            code="cache_disabled")
         return self.engines.pool
 
+    def stop(self) -> None:
+        """Blocking: stops its engines. Its pool is closed (its --cache-dir snapshot written)
+        on a thread of its own: another model's load need not wait for that, only its own
+        next load does."""
+        if not isinstance(self.engines, Workers):
+            self.engines.stop()
+            return
+        pool = self.engines.stop(close_pool=False)
+        if pool is not None:
+            self._saving = threading.Thread(target=pool.close, name=f"close-pool-{self.name}")
+            self._saving.start()
+
+    def _saved(self) -> None:
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
+
     def close(self) -> None:
         if self.state in ("loaded", "unloading"):
             self.engines.stop()
+        self._saved()
         if self.vocab is not None:
             self.vocab.close()
 
@@ -153,6 +176,7 @@ class Models:
         self._waits: dict[str, list[float]] = {}  # per model, when its waiting requests came
         self._opened = threading.Event()
         self._stopping = False  # draining: nothing loads any more
+        self.spare = Spare(multiprocessing.get_context("spawn"))  # kept if models swap
 
     def find(self, name: str) -> ServedModel:
         """The model a request names (`named`); a 503 for one that failed to load."""
@@ -195,6 +219,10 @@ class Models:
                     self._start(model, loop)
                     if model.load_error:
                         failures.append(f"{model.name}: {model.load_error}")
+            if self._loads_later() and not self._stopping:
+                for model in self.all:
+                    model.spare = self.spare
+                self.spare.want()
         finally:  # requests are routed from now on (those before were told to retry)
             self._opened.set()
         return failures
@@ -215,8 +243,11 @@ class Models:
             log.info("loaded %r (%s) in %.1f s; %d model(s) loaded", model.name,
                      model.config.workers.model_path, time.monotonic() - started,
                      len(self._loaded()))
+            if not self._stopping:
+                self.spare.refill()  # for the next load, now that this one is over
 
     def close(self) -> None:
+        self.spare.close()
         for model in self.all:
             model.close()
 
@@ -346,7 +377,7 @@ class Models:
         deadline = time.monotonic() + self.policy.drain_seconds
         while model.in_use and time.monotonic() < deadline:
             await self._change(timeout=deadline - time.monotonic())
-        await asyncio.to_thread(model.engines.stop)
+        await asyncio.to_thread(model.stop)
         model.state = "unloaded"
         model.unloads += 1
         log.info("unloaded %r", model.name)
@@ -364,6 +395,13 @@ class Models:
                     await self.unload(model)
 
     # ----- what fits ------------------------------------------------------------------------------
+
+    def _loads_later(self) -> bool:
+        """Whether models may load after start (some do not fit, or idle ones unload)."""
+        own = [m for m in self.all if m._own_engines]
+        return bool(own) and self.policy.idle_seconds is not None or len(own) > 1 and (
+            any(m.state == "unloaded" for m in own) or self.policy.max_loaded is not None
+            or self.policy.memory_bytes is not None)
 
     def _loaded(self) -> list[ServedModel]:
         return [m for m in self.all if m.state in ("loading", "loaded", "unloading")]

@@ -53,6 +53,7 @@ from gateway.workers.shared_pool import INDEX_CALLS, SharedPool, TierHits
 
 if TYPE_CHECKING:
     from gateway.formats.prompts import Pin
+    from gateway.workers.spare import Spare
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class WorkerProcess:
 
 
 class Workers:
-    def __init__(self, config: WorkersConfig) -> None:
+    def __init__(self, config: WorkersConfig, spare: Spare | None = None) -> None:
+        """`spare`: where a worker process started ahead may be taken from."""
         self.config = config
+        self._spare = spare
         self.pool: SharedPool | None = None  # None: the prefix cache is off
         self.affinity = CacheKeyAffinity()
         self.router = Router(config.routing, config.engine.cache.block_size)
@@ -151,17 +154,24 @@ class Workers:
                 worker.process.kill()
 
     def _spawn(self, worker_id: int, restarts: int = 0) -> WorkerProcess:
-        ours, theirs = self._mp.Pipe(duplex=True)
-        process = self._mp.Process(
-            target=worker_process.run, name=f"prefixgate-worker-{worker_id}", daemon=True,
-            args=(theirs, worker_id, self.config.model_path, self.config.engine,
-                  self.config.log_level))
-        process.start()
-        theirs.close()
+        args = (worker_id, self.config.model_path, self.config.engine, self.config.log_level)
+        spare = self._spare.take() if self._spare is not None else None
+        if spare is not None:  # its imports done: told what to be
+            process, ours = spare
+            process.name = f"prefixgate-worker-{worker_id}"
+            ours.send(args)
+        else:
+            ours, theirs = self._mp.Pipe(duplex=True)
+            process = self._mp.Process(target=worker_process.run,
+                                       name=f"prefixgate-worker-{worker_id}", daemon=True,
+                                       args=(theirs, *args))
+            process.start()
+            theirs.close()
         worker = WorkerProcess(worker_id, process, Channel(ours), restarts=restarts)
         threading.Thread(target=self._read, args=(worker,), name=f"worker-{worker_id}-reader",
                          daemon=True).start()
-        log.info("started engine worker %d (pid %d)", worker_id, process.pid)
+        log.info("started engine worker %d (pid %d%s)", worker_id, process.pid,
+                 ", started ahead" if spare is not None else "")
         return worker
 
     async def drain(self, seconds: float) -> None:
@@ -171,8 +181,10 @@ class Workers:
         while self.n_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
-    def stop(self, timeout: float = 30) -> None:
-        """Stops every worker (what is still in flight gets a 503) and removes the arena."""
+    def stop(self, timeout: float = 30, close_pool: bool = True) -> SharedPool | None:
+        """Stops every worker (what is still in flight gets a 503) and removes the arena
+        (writing its --cache-dir snapshot first); with `close_pool` False, returns the pool
+        for the caller to close, nothing writing it any more."""
         self._draining = self._stopping = True
         for worker in self._workers:
             worker.send(Shutdown())
@@ -184,8 +196,10 @@ class Workers:
                 worker.exited.wait(5)
         with self._lock:
             pool, self.pool = self.pool, None
-        if pool is not None:  # the workers are gone: nothing writes the arena now
+        if pool is not None and close_pool:  # the workers are gone: nothing writes the arena
             pool.close()
+            return None
+        return pool
 
     # ----- requests -----------------------------------------------------------------------------
 
