@@ -183,8 +183,12 @@ async def generate(request: web.Request, model: ServedModel, body: Generating,
     admit_prompt(gateway, model, request["key"], len(prompt_tokens))  # before building a grammar
     # The model loaded first, if it is not (the request waits, as in a queue: its plan reads
     # the model's context), and never unloaded while the request holds it.
-    async with gateway.models.serving(model, limits.request_timeout):
-        return await _generate(request, model, body, prompt, wire)
+    try:
+        async with gateway.models.serving(model, limits.request_timeout):
+            return await _generate(request, model, body, prompt, wire)
+    except Overloaded as exc:  # too many wait for the model to load (the workers' are _submit's)
+        gateway.metrics.refused.labels(model.name, "capacity").inc()
+        raise _at_capacity(str(exc)) from None
 
 
 async def _generate(request: web.Request, model: ServedModel, body: Generating,

@@ -50,7 +50,7 @@ from gateway.edge.errors import APIError
 from gateway.formats.prompts import PromptBuilder
 from gateway.workers.shared_pool import SharedPool
 from gateway.workers.spare import Spare
-from gateway.workers.supervisor import Workers
+from gateway.workers.supervisor import Overloaded, Workers
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +270,8 @@ class Models:
         `timeout`: how long the request may wait for that."""
         if model.state != "loaded":
             if model.waiting >= self.policy.max_waiting:
-                raise APIError(429, f"{model.waiting} requests wait for the model "
-                               f"`{model.name}` to load; retry shortly",
-                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                raise Overloaded(f"{model.waiting} requests wait for the model `{model.name}` "
+                                 "to load")
             model.waiting += 1
             waits = self._waits.setdefault(model.name, [])
             came = time.monotonic()
