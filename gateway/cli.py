@@ -78,9 +78,11 @@ def _model_and_server(p: argparse._ArgumentGroup) -> None:
                         "(weights, each worker's KV cells, its part of the pool); loading "
                         "past it unloads the least recently used idle ones (default: no bound)")
     p.add_argument("--models-swap-grace", type=float, default=2.0, metavar="SECONDS",
-                   help="a model whose last request ended less than this ago is not unloaded "
-                        "for another model's requests: a session's next turn finds its model "
-                        "still loaded instead of swapping it back (0: swap at once)")
+                   help="the longest a model whose last request just ended is held from "
+                        "another model's requests, so that a session's next turn finds it "
+                        "still loaded instead of swapping it back: within this, 4 times the "
+                        "usual gap between its requests ending and its next arriving, at "
+                        "least 0.1 s (0: swap at once)")
     p.add_argument("--models-swap-wait", type=float, default=30.0, metavar="SECONDS",
                    help="requests for a loaded model keep being served while another model's "
                         "wait for its room, until one has waited this long: then the busy "

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.core.models import LoadPolicy, Models
+from gateway.core.models import HOLD_FLOOR, LoadPolicy, Models
 from gateway.edge.errors import APIError
 from gateway.workers.supervisor import Overloaded
 
@@ -158,23 +158,61 @@ async def ticks(n: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+class Clock:
+    """Models' clock, moved by the test (asyncio's own runs as ever)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def advance(models: Models, clock: Clock, seconds: float) -> None:
+    """Moves the clock and lets the waiting loads look again."""
+    clock.now += seconds
+    models._notify()
+    await ticks()
+
+
 @run
-async def test_a_model_just_used_keeps_the_room_for_its_next_turn():
-    """A session's next turn comes moments after its last answer: within --models-swap-grace
-    its model is not unloaded for another's waiting request, and its own requests keep being
-    served (one load each, not a swap per turn)."""
+async def test_a_model_just_used_is_held_as_long_as_its_next_turns_take_to_come():
+    """A session's next turn comes a moment after its answer: the model is held for
+    HOLD_FACTOR times the usual gap between its requests (its own requests served meanwhile,
+    one load), not unloaded for another's waiting request, then unloaded for it."""
     a, b = FakeModel("a"), FakeModel("b")
-    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=3600, swap_wait=3600), a, b)
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
+    for _ in range(3):  # each next turn 0.5 s after the answer
+        await use(models, a)
+        clock.now += 0.5
+    await use(models, a)
+    waiting = asyncio.create_task(use(models, b))
+    await advance(models, clock, 1.5)
+    await use(models, a)  # its next turn
+    await advance(models, clock, 1.9)  # 4 x 0.5 s: still held
+    assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (1, 0) and b.waiting == 1
+    await advance(models, clock, 0.2)
+    await asyncio.wait_for(waiting, 30)
+    assert loaded(a, b) == ["b"]
+
+
+@run
+async def test_a_client_that_moved_on_to_another_model_waits_only_the_floor():
+    """No next turns seen (a client asking one model, then another): the hold is
+    HOLD_FLOOR, not --models-swap-grace."""
+    a, b = FakeModel("a"), FakeModel("b")
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
     await use(models, a)
     waiting = asyncio.create_task(use(models, b))
     await ticks()
-    for _ in range(3):  # the session's next turns
-        await use(models, a)
-        await ticks()
-    assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (1, 0) and b.waiting == 1
-    await models.unload(a)  # the grace is the only thing that held b back
+    assert loaded(a, b) == ["a"]
+    await advance(models, clock, HOLD_FLOOR)
     await asyncio.wait_for(waiting, 30)
-    assert loaded(a, b) == ["b"]
+    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)
 
 
 @run

@@ -10,15 +10,18 @@ and Ollama do:
   worker's KV cells, their part of the pool) within `--models-memory-mb`: loading one past
   either unloads the least recently used model that no request holds; while every loaded model
   is in use, the load waits for one to come free.
-- Swaps are batched by model, as llama-server's router and Ollama do, with two bounds of ours:
-  a model whose last request ended less than `--models-swap-grace` ago is not unloaded for
-  another (a session's next turn arrives milliseconds after its last answer: without the grace
-  it would find its model gone and swap it back), and requests for a loaded model keep being
-  admitted while another model's wait; but once a request has waited `--models-swap-wait` for
-  its model, it takes the room even from a busy one (which drains, its new requests waiting in
-  turn), so no model starves behind a busy one. Several models waiting for the room: the one
-  whose request passed that bound first, else the one with the most requests waiting, else the
-  one waited for longest, loads first.
+- Swaps are batched by model, as llama-server's router and Ollama do, with two bounds of ours.
+  A model whose last request just ended is held a moment before it is unloaded for another: a
+  session's next turn arrives moments after its answer, and without the hold it would find its
+  model gone and swap it back. How long: the gaps it has seen between its requests ending and
+  its next arriving tell (`HOLD_FACTOR` times their median, at least `HOLD_FLOOR`; gaps past
+  the bound are a client gone, not a next turn), within `--models-swap-grace`, so a client that
+  moved on to another model waits a tenth of a second, an agent between tool calls seconds.
+  Requests for a loaded model keep being admitted while another model's wait; but once a
+  request has waited `--models-swap-wait` for its model, it takes the room even from a busy
+  one (which drains, its new requests waiting in turn), so no model starves behind a busy one.
+  Several models waiting for the room: the one whose request passed that bound first, else the
+  one with the most requests waiting, else the one waited for longest, loads first.
 - `--idle-unload-seconds`: a model no request has used for that long is unloaded.
 - A model is never unloaded under a request: a request holds its model from the moment it is
   admitted to its last output (`Models.serving`); an unload lets those finish (up to
@@ -37,9 +40,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import statistics
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from cache.fingerprint import gguf_fingerprint
@@ -55,6 +60,9 @@ from gateway.workers.supervisor import Overloaded, Workers
 log = logging.getLogger(__name__)
 
 IDLE_CHECK_SECONDS = 1.0
+HOLD_FACTOR = 4.0  # a just-used model is held this many times its requests' usual gap
+HOLD_FLOOR = 0.1  # seconds: at least this (the next turn of a client on a busy machine)
+GAPS_KEPT = 8
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class LoadPolicy:
     idle_seconds: float | None = None  # unloaded after this long unused; None: never
     drain_seconds: float = 30.0  # how long an unload lets the requests in flight finish
     max_waiting: int = 128  # requests waiting for one model to load
-    swap_grace: float = 2.0  # a model used this recently is not unloaded for another
+    swap_grace: float = 2.0  # the longest a just-used model is held from another's requests
     swap_wait: float = 30.0  # a request waiting this long takes the room even from a busy model
 
 
@@ -166,6 +174,10 @@ class Models:
     """Every served model, and the loading and unloading of their engines (the module's
     docstring has the rules)."""
 
+    # The clock of requests' arrivals and ends, and of the bounds on them. Only the tests put
+    # their own here (tests/test_model_policy.py), which they move themselves.
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, models: list[ServedModel], policy: LoadPolicy) -> None:
         self.all = models
         self.policy = policy
@@ -174,6 +186,8 @@ class Models:
         self._deciding = asyncio.Lock()  # one load's room made at a time
         self._loads: dict[str, asyncio.Task] = {}
         self._waits: dict[str, list[float]] = {}  # per model, when its waiting requests came
+        self._gaps: dict[str, deque[float]] = {}  # per model, from a request's end to the next
+        self._ended: dict[str, float] = {}  # per model, when its last request ended
         self._opened = threading.Event()
         self._stopping = False  # draining: nothing loads any more
         self.spare = Spare(multiprocessing.get_context("spawn"))  # kept if models swap
@@ -238,7 +252,7 @@ class Models:
             model.engines.stop()  # whatever of it had started
             model.state, model.load_error = "failed", str(exc)
         else:
-            model.state, model.load_error, model.last_used = "loaded", None, time.monotonic()
+            model.state, model.load_error, model.last_used = "loaded", None, self.clock()
             model.load_seconds += time.monotonic() - started
             log.info("loaded %r (%s) in %.1f s; %d model(s) loaded", model.name,
                      model.config.workers.model_path, time.monotonic() - started,
@@ -268,13 +282,16 @@ class Models:
                       ) -> AsyncIterator[ServedModel]:
         """Holds `model` loaded for a request's lifetime, loading it first if it is not;
         `timeout`: how long the request may wait for that."""
+        came = self.clock()
+        gap = came - self._ended.get(model.name, -1e18)
+        if not model.in_use and gap <= self.policy.swap_grace:  # a next turn: the holds learn
+            self._gaps.setdefault(model.name, deque(maxlen=GAPS_KEPT)).append(gap)
         if model.state != "loaded":
             if model.waiting >= self.policy.max_waiting:
                 raise Overloaded(f"{model.waiting} requests wait for the model `{model.name}` "
                                  "to load")
             model.waiting += 1
             waits = self._waits.setdefault(model.name, [])
-            came = time.monotonic()
             waits.append(came)
             try:
                 await asyncio.wait_for(self._until_loaded(model), timeout)
@@ -285,12 +302,12 @@ class Models:
                 model.waiting -= 1
                 waits.remove(came)
         model.in_use += 1
-        model.last_used = time.monotonic()
+        model.last_used = self.clock()
         try:
             yield model
         finally:
             model.in_use -= 1
-            model.last_used = time.monotonic()
+            model.last_used = self._ended[model.name] = self.clock()
             self._notify()
 
     async def ensure_loaded(self, model: ServedModel) -> None:
@@ -387,7 +404,7 @@ class Models:
         idle = self.policy.idle_seconds
         while idle:
             await asyncio.sleep(min(IDLE_CHECK_SECONDS, idle))
-            now = time.monotonic()
+            now = self.clock()
             for model in self._loaded():
                 if not model.in_use and not model.waiting and now - model.last_used > idle:
                     log.info("%r was idle for %.0f s", model.name, now - model.last_used)
@@ -420,7 +437,7 @@ class Models:
         """Of the models waited for that are not loaded (and `model`), the one whose turn it
         is: a request past --models-swap-wait first (the longest waiting), else the most
         requests waiting, else the longest waiting."""
-        now = time.monotonic()
+        now = self.clock()
         bound = self.policy.swap_wait
 
         def turn(m: ServedModel) -> tuple:
@@ -433,27 +450,32 @@ class Models:
                    or (m.state == "unloaded" and self._waits.get(m.name))]
         return min(pending, key=turn)
 
+    def _hold(self, model: ServedModel) -> float:
+        """How long `model` is held after its last request (the module's docstring)."""
+        gaps = self._gaps.get(model.name)
+        usual = HOLD_FACTOR * statistics.median(gaps) if gaps else 0.0
+        return min(self.policy.swap_grace, max(HOLD_FLOOR, usual))
+
     def _victim(self, model: ServedModel) -> ServedModel | None:
         """The model to unload to make room for `model`: the least recently used one no
-        request holds or waits for, unused for --models-swap-grace; once `model`'s requests
+        request holds or waits for, unused for its hold (`_hold`); once `model`'s requests
         have waited --models-swap-wait, the least recently used loaded one, busy or not (its
         requests finish first, up to --drain-seconds). None: wait."""
         # A model requests wait for is theirs as soon as it loads: never taken from them
         # before they run (two models would take turns evicting each other, serving none).
-        now = time.monotonic()
+        now = self.clock()
         loaded = [m for m in self.all if m.state == "loaded" and m is not model
                   and m._own_engines and not m.waiting]
-        idle = [m for m in loaded if not m.in_use
-                and now - m.last_used >= self.policy.swap_grace]
+        idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m)]
         if not idle and self._waited(model, now) >= self.policy.swap_wait:
             idle = loaded
         return min(idle, key=lambda m: (m.in_use > 0, m.last_used), default=None)
 
     def _wake_in(self, model: ServedModel) -> float | None:
-        """When a bound `_victim` applies next passes: a grace ends, or `model`'s wait
+        """When a bound `_victim` applies next passes: a hold ends, or `model`'s wait
         reaches --models-swap-wait (None: only a change can make room)."""
-        now = time.monotonic()
-        ends = [m.last_used + self.policy.swap_grace - now for m in self.all
+        now = self.clock()
+        ends = [m.last_used + self._hold(m) - now for m in self.all
                 if m.state == "loaded" and not m.in_use and not m.waiting]
         if self._waits.get(model.name):
             ends.append(self.policy.swap_wait - self._waited(model, now))
