@@ -159,8 +159,12 @@ class Workers:
         if spare is not None:  # its imports done: told what to be
             process, ours = spare
             process.name = f"prefixgate-worker-{worker_id}"
-            ours.send(args)
-        else:
+            try:
+                ours.send(args)
+            except OSError:  # it died since it was taken: a process of its own after all
+                ours.close()
+                spare = None
+        if spare is None:
             ours, theirs = self._mp.Pipe(duplex=True)
             process = self._mp.Process(target=worker_process.run,
                                        name=f"prefixgate-worker-{worker_id}", daemon=True,
