@@ -49,10 +49,13 @@ def test_weight_kernels_prints_a_row_per_type():
 
 
 def test_locust_users_report_ttft_and_tokens_per_second(gateway, tmp_path):
+    # Each user starts its first request at once: a short run, whose requests still in flight
+    # at its end are finished (--stop-timeout), records one of each however busy the machine.
     subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py",
-                    "--headless", "-u", "3", "-r", "3", "-t", "20s", "--host", gateway.base_url,
+                    "--headless", "-u", "3", "-r", "3", "-t", "6s", "--stop-timeout", "150",
+                    "--host", gateway.base_url,
                     "--csv", str(tmp_path / "run"), "--only-summary"],
-                   cwd=ROOT, check=True, timeout=120, capture_output=True)
+                   cwd=ROOT, check=True, timeout=240, capture_output=True)
     with open(tmp_path / "run_stats.csv") as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
     assert int(rows[("POST", "shared prefix")]["Request Count"]) > 0
