@@ -280,3 +280,31 @@ async def test_the_model_with_the_most_requests_waiting_loads_first():
     release.set()
     await asyncio.gather(holder, first, *more)
     assert order == ["a", "c", "b"]
+
+
+class FakeSpare:
+    """What Models calls of gateway/workers/spare.py's Spare: when it is asked for one."""
+
+    def __init__(self) -> None:
+        self.missing = True
+        self.started = False
+
+    def refill(self) -> None:
+        self.missing = False
+        self.started = True
+
+    def close(self) -> None:
+        pass
+
+
+@run
+async def test_the_spare_worker_starts_once_the_requests_a_load_was_for_have_ended():
+    """Not beside them: its interpreter's start beside the first prefill of a model just loaded
+    slowed that prefill (a cold request's TTFT) by a third on 2 cores."""
+    a, b = FakeModel("a"), FakeModel("b")
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=0), a, b)
+    spare = models.spare = FakeSpare()  # type: ignore[assignment]
+    async with models.serving(b, timeout=30):  # type: ignore[arg-type]  # loads it
+        await ticks()
+        assert loaded(a, b) == ["b"] and not spare.started  # loaded, its request runs
+    assert spare.started  # nothing runs now

@@ -5,8 +5,10 @@ and its imports (llama-cpp-python, numpy) take a few tenths of a second before l
 the model, on every load. When models load and unload as they are used (several models and
 `--models-max`, `--models-memory-mb` or `--idle-unload-seconds`), one process is kept started
 with those imports done, waiting on its connection for the worker it is to be (`engine.process
-.run_when_asked`): the next load takes it, and a new one is started once that load is over (not
-during it: the machine's cores are the load's). It costs an idle interpreter (~25 MiB PSS).
+.run_when_asked`): the next load takes it, and a new one is started once that load is over
+and nothing runs (gateway/core/models.py `Models._refill_spare_if_idle`): not during the load,
+nor beside the requests it was for, whose cores it would take. Under traffic that never pauses,
+a load finds no spare and starts its worker as before. It costs an idle interpreter (~25 MiB PSS).
 
 A spare whose gateway dies sees its connection close and exits."""
 
@@ -35,6 +37,12 @@ class Spare:
         with self._lock:
             self._wanted = True
         self.refill()
+
+    @property
+    def missing(self) -> bool:
+        """A spare is wanted and none waits (a hint, read without the lock)."""
+        ready = self._ready
+        return self._wanted and (ready is None or not ready[0].is_alive())
 
     def refill(self) -> None:
         """Starts a spare if one is wanted and none waits."""
