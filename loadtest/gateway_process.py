@@ -81,7 +81,10 @@ class ServerProcess:
 
     def __init__(self, command: list[str], health_path: str, log_path: Path,
                  cwd: Path = ROOT, env: dict[str, str] | None = None,
-                 health_timeout: float = 180, host: str = "127.0.0.1") -> None:
+                 health_timeout: float = 180, host: str = "127.0.0.1",
+                 wait: bool = True) -> None:
+        """`wait`: return once it serves; False returns at once, and `serving()` waits (to
+        start several together: see started_together)."""
         self.port = free_port()
         self.base_url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -90,7 +93,14 @@ class ServerProcess:
         self.proc = subprocess.Popen([part.replace("{port}", str(self.port)) for part in command],
                                      cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        self._wait_healthy(health_path, health_timeout)
+        self._health = (health_path, health_timeout)
+        if wait:
+            self.serving()
+
+    def serving(self) -> ServerProcess:
+        """Waits until it answers its health path."""
+        self._wait_healthy(*self._health)
+        return self
 
     def _wait_healthy(self, path: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -116,18 +126,32 @@ class ServerProcess:
         self._log.close()
 
 
+def started_together(*starting: ServerProcess) -> tuple:
+    """Servers started with `wait=False`, once each serves: they load at the same time rather
+    than one after the other. If one fails to, every one is stopped."""
+    try:
+        for server in starting:
+            server.serving()
+    except BaseException:
+        for server in starting:
+            server.stop()
+        raise
+    return starting
+
+
 class GatewayProcess(ServerProcess):
     """The real gateway, as a user would start it."""
 
     def __init__(self, model_path: Path, *args: str, source: Path = ROOT,
                  env: dict[str, str] | None = None, module: str = "gateway",
                  health_timeout: float = 180, host: str = "127.0.0.1",
-                 launcher: tuple[str, ...] = ()) -> None:
+                 launcher: tuple[str, ...] = (), wait: bool = True) -> None:
         """`source`: the checkout whose gateway runs (another one for before/after figures);
         `env`: variables to add to this process's environment; `module`: the entry point
         (the tests' own, tests.replay_gateway or tests.clocked_gateway, for their hooks);
         `health_timeout`: how long it may take to serve (a software GPU compiles shaders);
-        `host`: the address it listens on; `launcher`: what runs it (`ip netns exec NS`)."""
+        `host`: the address it listens on; `launcher`: what runs it (`ip netns exec NS`);
+        `wait`: ServerProcess's."""
         self.model_name = model_path.stem
         self.metrics_key = args[args.index("--metrics-key") + 1] if "--metrics-key" in args \
             else None
@@ -138,7 +162,8 @@ class GatewayProcess(ServerProcess):
         super().__init__([*launcher, sys.executable, "-m", module, "--model", str(model_path),
                           "--host", host, "--port", "{port}", *args], "/health",
                          ROOT / ".pytest_cache" / f"gateway-{os.getpid()}-{id(self)}.log",
-                         cwd=source, env=env, health_timeout=health_timeout, host=host)
+                         cwd=source, env=env, health_timeout=health_timeout, host=host,
+                         wait=wait)
 
     def metrics(self) -> dict[str, float]:
         """Sample name -> value, for samples labelled by nothing but their model, summed over

@@ -7,7 +7,7 @@ import pytest
 
 from engine.llama import Model
 from gateway.workers.model_store import default_model_path
-from loadtest.gateway_process import GatewayProcess, redis_server
+from loadtest.gateway_process import GatewayProcess, redis_server, started_together
 from tests.clocked_gateway import TestClock
 
 # The default mode: F16 KV in one unified pool of cells, live prefixes shared between sequences.
@@ -35,8 +35,8 @@ def serve(model_path: Path, *args: str):
 def cached_and_uncached(model_path: Path, *args: str):
     """Two gateways for a fixture's lifetime: with the prefix cache, and without it (the
     reference)."""
-    servers = (GatewayProcess(model_path, *args),
-               GatewayProcess(model_path, *args, "--no-prefix-cache"))
+    servers = started_together(GatewayProcess(model_path, *args, wait=False),
+                               GatewayProcess(model_path, *args, "--no-prefix-cache", wait=False))
     yield servers
     for server in servers:
         server.stop()

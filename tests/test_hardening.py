@@ -79,16 +79,24 @@ def test_metrics_need_the_metrics_key_and_debug_its_own(keyed_gateway):
     assert keyed_gateway.consistency()["ok"]  # sent with the debug key
 
 
-def test_debug_is_off_without_its_key(model_path):
+@pytest.fixture(scope="module")
+def cors_gateway(model_path, tmp_path_factory):
+    """CORS on, a key for tenant-x, and no --debug-key (which turns /debug/* off)."""
+    keys = tmp_path_factory.mktemp("cors-keys") / "keys"
+    keys.write_text("key-x tenant-x\n")
     server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "512",
-                            "--debug-key", "")
-    try:
-        server.debug_key = "anything"
-        with pytest.raises(urllib.error.HTTPError) as raised:
-            server.consistency()
-        assert raised.value.code == 404
-    finally:
-        server.stop()
+                            "--cors-allow-origin", "https://app.example", "--api-keys-file",
+                            str(keys), "--debug-key", "")
+    yield server
+    server.stop()
+
+
+def test_debug_is_off_without_its_key(cors_gateway):
+    request = urllib.request.Request(cors_gateway.base_url + "/debug/consistency",
+                                     headers={"Authorization": "Bearer anything"})
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    assert raised.value.code == 404
 
 
 def test_a_tenant_never_hits_another_tenants_prefix(keyed_gateway, model_name):
@@ -323,7 +331,7 @@ def test_what_an_abandoned_request_generated_is_charged(model_path, model_name, 
         server.stop()
 
 
-def test_cors_is_off_by_default_and_answers_its_origin_when_on(gateway, model_path, tmp_path):
+def test_cors_is_off_by_default_and_answers_its_origin_when_on(gateway, cors_gateway):
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
 
@@ -338,25 +346,18 @@ def test_cors_is_off_by_default_and_answers_its_origin_when_on(gateway, model_pa
 
     status, headers = options(gateway)
     assert status == 405 and "Access-Control-Allow-Origin" not in headers
-    keys = tmp_path / "keys"
-    keys.write_text("key-x tenant-x\n")
-    server = GatewayProcess(model_path, "--parallel", "1", "--ctx-size", "512",
-                            "--cors-allow-origin", "https://app.example", "--api-keys-file",
-                            str(keys))
-    try:
-        status, headers = options(server)  # no key: browsers send none with a preflight
-        assert status == 204
-        assert headers["Access-Control-Allow-Origin"] == "https://app.example"
-        assert "Authorization" in headers["Access-Control-Allow-Headers"]
-        assert "POST" in headers["Access-Control-Allow-Methods"]
-        with pytest.raises(urllib.error.HTTPError) as refused:  # the API itself still needs one
-            urllib.request.urlopen(urllib.request.Request(
-                server.base_url + "/v1/models", headers={"Origin": "https://app.example"}),
-                timeout=5)
-        assert refused.value.code == 401
-        assert refused.value.headers["Access-Control-Allow-Origin"] == "https://app.example"
-    finally:
-        server.stop()
+    server = cors_gateway
+    status, headers = options(server)  # no key: browsers send none with a preflight
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the API itself still needs one
+        urllib.request.urlopen(urllib.request.Request(
+            server.base_url + "/v1/models", headers={"Origin": "https://app.example"}),
+            timeout=5)
+    assert refused.value.code == 401
+    assert refused.value.headers["Access-Control-Allow-Origin"] == "https://app.example"
 
 
 def test_a_timed_out_stream_is_freed_though_its_client_stopped_reading(timeout_gateway,

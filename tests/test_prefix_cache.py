@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from cache.tokens import most_cached
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import GatewayProcess, started_together
 from tests.conftest import DEFAULT_ARGS, openai_client
 from tests.test_disconnect import abandon_many
 
@@ -42,8 +42,9 @@ def fresh_default_gateways(model_path):
     """Default-mode gateways of this module's own. In the default mode a block computed while
     other requests shared the batch carries that batch's rounding, so the comparisons here need
     a pool that only this module's sequential requests filled."""
-    servers = (GatewayProcess(model_path, *EXACT_DEFAULT_ARGS),
-               GatewayProcess(model_path, *EXACT_DEFAULT_ARGS, "--no-prefix-cache"))
+    servers = started_together(
+        GatewayProcess(model_path, *EXACT_DEFAULT_ARGS, wait=False),
+        GatewayProcess(model_path, *EXACT_DEFAULT_ARGS, "--no-prefix-cache", wait=False))
     yield servers
     for server in servers:
         server.stop()

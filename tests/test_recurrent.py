@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import GatewayProcess, started_together
 from tests.conftest import (
     across_a_restart,
     cached_and_uncached,
@@ -117,8 +117,8 @@ def test_a_state_one_worker_kept_is_loaded_by_the_other():
 def test_a_state_one_gateway_kept_is_loaded_by_another_through_redis(redis_url):
     url, _ = redis_url
     path = tiny_model("mamba")
-    first = GatewayProcess(path, *ARGS, "--redis-url", url)
-    second = GatewayProcess(path, *ARGS, "--redis-url", url)
+    first, second = started_together(*(GatewayProcess(path, *ARGS, "--redis-url", url,
+                                                      wait=False) for _ in range(2)))
     try:
         prompt = text(300, 5)
         cold = complete(first, prompt)

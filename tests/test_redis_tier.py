@@ -16,7 +16,7 @@ from cache.index import CacheIndex
 from cache.redis_tier import BREAKER_FAILURES, RedisTier, TierConfig
 from gateway.cli import build_parser, server_config
 from gateway.workers.model_store import default_model_path
-from loadtest.gateway_process import GatewayProcess
+from loadtest.gateway_process import GatewayProcess, started_together
 from tests.conftest import DETERMINISTIC_ARGS, openai_client
 from tests.test_prefix_cache import ask, system_chat
 
@@ -38,8 +38,9 @@ def wait_stored(server: GatewayProcess, blocks: int) -> None:
 
 def test_a_prefix_one_gateway_computed_is_loaded_by_another(redis_url, model_path, model_name):
     url, _ = redis_url
-    first = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
-    second = GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url)
+    first, second = started_together(*(
+        GatewayProcess(model_path, *DETERMINISTIC_ARGS, "--redis-url", url, wait=False)
+        for _ in range(2)))
     try:
         text, usage = ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
         assert usage.prompt_tokens_details.cached_tokens < 8
@@ -214,8 +215,9 @@ def test_a_stored_response_is_continued_and_deleted_through_any_replica(redis_ur
     gateway signing with another --redis-key finds nothing."""
     url, _ = redis_url
     args = ("--parallel", "2", "--ctx-size", "2048", "--redis-url", url, "--redis-key", "k1")
-    first, second = GatewayProcess(model_path, *args), GatewayProcess(model_path, *args)
-    other = GatewayProcess(model_path, *args[:-1], "k2")
+    first, second, other = started_together(
+        *(GatewayProcess(model_path, *args, wait=False) for _ in range(2)),
+        GatewayProcess(model_path, *args[:-1], "k2", wait=False))
     try:
         a, b, c = (openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
                    for s in (first, second, other))

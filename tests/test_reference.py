@@ -86,8 +86,12 @@ def _gateway(model_path, mode: str, *args: str):
 
 
 @pytest.fixture(scope="module")
-def computing_client(model_path, mode):
-    """Every prompt computed: no block of another prompt enters it."""
+def computing_client(request, model_path, mode):
+    """Every prompt computed: no block of another prompt enters it. The default mode's is the
+    session's uncached gateway, started with the same flags."""
+    if not MODES[mode][0]:
+        yield openai_client(request.getfixturevalue("uncached_gateway"))
+        return
     yield from _gateway(model_path, mode, "--no-prefix-cache")
 
 
