@@ -237,14 +237,15 @@ def test_the_same_prefix_twice_lands_on_the_node_holding_it(deployment):
 def test_prompts_no_node_holds_are_spread_over_the_nodes(deployment):
     """One after another, so the router sees no load: left to itself it sends every prompt no
     node holds to the same node (the first of its table), whose pool alone then fills. The
-    front sends each to the node it has sent the fewest."""
+    front sends each to the node it has sent the fewest. Short prompts (~200 tokens): which
+    node computed one is all that is asked."""
     front = deployment.cluster.front()  # a front of its own: it has sent nothing yet
     client = openai.OpenAI(base_url=front.base_url + "/v1", api_key="unused", max_retries=0)
     nodes = deployment.cluster.nodes
     holders = []
     for topic in ["botany", "rowing", "origami", "falconry", "pottery", "glassblowing"]:
         before = [computed(n) for n in nodes]
-        ask(client, deployment.model, system_prompt(topic))
+        ask(client, deployment.model, system_prompt(topic, rules=10))
         grown = [computed(n) - b for n, b in zip(nodes, before, strict=True)]
         holders.append(max(range(len(nodes)), key=grown.__getitem__))
     assert sorted(holders.count(i) for i in range(len(nodes))) == [3, 3], holders
