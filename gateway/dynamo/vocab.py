@@ -15,9 +15,10 @@ ones plain added tokens (llama.cpp always cuts them out first). Anything else is
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 
@@ -38,6 +39,54 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("qwen2", "stablelm2", "hunyuan"), (QWEN2,)),
 }
 IGNORES_MERGES = frozenset(("llama3", "llama-bpe"))
+
+
+# GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): struct
+# formats of the fixed-size ones; 8 is a string, 9 an array.
+_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_metadata(path: str) -> dict:
+    """A GGUF's metadata, key -> value (a list for an array). Read here rather than by gguf's
+    GGUFReader, which makes numpy views of every part of every value: the same values, 10.5 s
+    for Gemma 3's 262,144 tokens on a busy machine against 0.2 s here (2.4 s and 0.05 s for
+    SmolLM2's)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF" or struct.unpack_from("<I", m, 4)[0] not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF file of version 2 or 3")
+        (n_kv,) = struct.unpack_from("<Q", m, 16)
+        metadata, pos = {}, 24
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            return m[pos + 8:pos + 8 + n].decode(), pos + 8 + n
+
+        def value(value_type: int, pos: int) -> tuple[object, int]:
+            if value_type in _FORMATS:
+                fmt = "<" + _FORMATS[value_type]
+                return struct.unpack_from(fmt, m, pos)[0], pos + struct.calcsize(fmt)
+            if value_type == _STRING:
+                return string(pos)
+            if value_type != _ARRAY:
+                raise ValueError(f"{path}: unknown GGUF value type {value_type} at {pos}")
+            element_type, count = struct.unpack_from("<IQ", m, pos)
+            pos += 12
+            if element_type in _FORMATS:
+                fmt = f"<{count}{_FORMATS[element_type]}"
+                return list(struct.unpack_from(fmt, m, pos)), pos + struct.calcsize(fmt)
+            items = []
+            for _ in range(count):
+                item, pos = value(element_type, pos)
+                items.append(item)
+            return items, pos
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (value_type,) = struct.unpack_from("<I", m, pos)
+            metadata[key], pos = value(value_type, pos + 4)
+        return metadata
 
 
 class VocabularyError(ValueError):
@@ -64,10 +113,7 @@ class Vocabulary:
 
     @classmethod
     def read(cls, path: str) -> Vocabulary:
-        fields = GGUFReader(path).fields
-
-        def value(key: str, default=None):
-            return fields[key].contents() if key in fields else default
+        value = gguf_metadata(path).get
 
         kind = value("tokenizer.ggml.model", "")
         tokens = value("tokenizer.ggml.tokens", [])
