@@ -142,6 +142,38 @@ def test_the_snapshot_holds_the_bytes_of_the_blocks_it_lists(tmp_path):
             fresh.close()
 
 
+def test_a_snapshot_is_read_into_the_arena_without_copies_between(tmp_path):
+    """Each block's bytes are a view into the one buffer the file was read into: copying the
+    body, then each block, took as long as the read itself while a reloaded model waited."""
+    header = ArenaHeader("fp", slot_bytes=16, n_slots=2, block_size=4)
+    arena, fresh = BlockArena.create(default_arena_path(), header), None
+    try:
+        index = CacheIndex(2, 4)
+        for value in (1, 2):
+            index.adopt(np.arange(4, dtype=np.int32) + 100 * value, "",
+                        lambda _start, _end, value=value: bytes([value]) * 16, arena)
+        persistence.save(tmp_path, index, arena)
+        fresh, loaded, given = BlockArena.create(default_arena_path(), header), \
+            CacheIndex(2, 4), []
+        adopt = loaded.adopt
+
+        def adopting(tokens, namespace, block_bytes, arena_):
+            def kept(start: int, end: int):
+                given.append(block_bytes(start, end))
+                return given[-1]
+            return adopt(tokens, namespace, kept, arena_)
+
+        loaded.adopt = adopting  # type: ignore[method-assign]
+        assert persistence.load(tmp_path, loaded, fresh) == 2
+        assert len(given) == 2 and all(isinstance(b, memoryview) for b in given)
+        assert given[0].obj is given[1].obj  # the file's bytes, read once
+        assert sorted(set(b.tobytes()) for b in given) == [{1}, {2}]
+    finally:
+        arena.close()
+        if fresh is not None:
+            fresh.close()
+
+
 @pytest.mark.parametrize("fails_in", ["the caller's write", "fsync"])
 def test_a_failed_write_leaves_the_previous_file_whole_and_nothing_beside_it(
         tmp_path, monkeypatch, fails_in):
