@@ -24,6 +24,10 @@ freshly started servers:
    after one of them went idle while the other kept serving (prefixgate
    `--idle-unload-seconds`, llama-server `--sleep-idle-seconds`: its child then frees the model
    and its context but stays, asleep).
+
+`--cold-probes`: phase 1 alone, both servers started together and probed in turn, round by
+round (`--probe-rounds`): on a shared machine a round's two probes see the same load, which
+runs of one server after the other do not.
 """
 
 from __future__ import annotations
@@ -261,6 +265,11 @@ def run(args: argparse.Namespace) -> dict:
     memory_flags = {"prefixgate": ("--idle-unload-seconds", str(engine.idle_seconds)),
                     "llama-server": ("--models-max", "2", "--sleep-idle-seconds",
                                      str(engine.idle_seconds))}
+    if args.cold_probes:
+        results["systems"] = paired_probes(
+            [starts[name](*swap_flags[name]) for name in args.systems], files,
+            TextMaker(vocab, sizes.seed), sizes, args.probe_rounds)
+        args.systems = []
     for name in args.systems:
         record = results["systems"][name] = {}
         server = starts[name](*swap_flags[name])
@@ -285,6 +294,32 @@ def run(args: argparse.Namespace) -> dict:
     (out / f"models-bench-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
         json.dumps(results, indent=1))
     return results
+
+
+def paired_probes(servers: list[Server], files: list[str], maker: TextMaker, sizes: Sizes,
+                  rounds: int) -> dict:
+    """--cold-probes: phase 1 alone, the servers started together and probed in turn, round
+    by round, the first of a round alternating (a round's probes see the same machine, which
+    a busy one changes from second to second). Per server, the medians of its rounds."""
+    samples: dict[str, list[dict]] = {server.name: [] for server in servers}
+    try:
+        for r in range(rounds):
+            for server in servers if r % 2 == 0 else servers[::-1]:
+                models = [server.model_id(f) for f in files]
+                samples[server.name].append(asyncio.run(probes(server, models, maker, sizes)))
+                print(server.name, "round", r, samples[server.name][-1], flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    def median(values: list[float | None]) -> float | None:
+        kept = [v for v in values if v is not None]
+        return statistics.median(kept) if kept else None
+
+    return {name: {"probes": {model: {kind: median([s[model][kind] for s in rounds_])
+                                      for kind in ("cold", "warm")}
+                              for model in rounds_[0] if model != "failed"}
+                   | {"failed": sum(s["failed"] for s in rounds_)}}
+            for name, rounds_ in samples.items()}
 
 
 def _f(value: float | None, digits: int = 2) -> str:
@@ -339,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["prefixgate", "llama-server"])
     p.add_argument("--probe-rounds", type=int, default=1,
                    help="TTFT probes per model, cold and warm (their median is shown)")
+    p.add_argument("--cold-probes", action="store_true",
+                   help="only the TTFT probes (phase 1), the systems' servers started together "
+                        "and probed in turn, --probe-rounds rounds")
     p.add_argument("--seed", type=int, default=Sizes.seed)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--parallel", type=int, default=4)
