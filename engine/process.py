@@ -171,16 +171,6 @@ def run(conn: Connection, worker_id: int, model_path: str, config: EngineConfig,
         raise SystemExit(1)
 
 
-def run_when_asked(conn: Connection) -> None:
-    """A worker started ahead of need (gateway/workers/spare.py): this module's imports are
-    done by the time it waits; it then runs as `run` with the arguments it is sent."""
-    try:
-        worker_id, model_path, config, log_level = conn.recv()
-    except (EOFError, OSError):  # not needed after all, or the gateway is gone
-        return
-    run(conn, worker_id, model_path, config, log_level)
-
-
 def _load(model_path: str, config: EngineConfig, worker: int) -> Model:
     """The model, its layers on the devices the flags choose (engine/devices.py)."""
     found = devices()

@@ -15,6 +15,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from gateway.core.service import HistorySample
 from gateway.workers.model_store import GEMMA3_270M
 from gateway.workers.model_store import model_path as stored_model
 from loadtest.gateway_process import GatewayProcess
@@ -140,3 +141,19 @@ def test_the_page_is_absent_without_the_admin_api(gateway):
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(gateway.base_url + "/cache", timeout=5)
     assert raised.value.code == 404
+
+
+def test_the_history_counts_a_reloaded_models_counters_from_zero():
+    """A model's pool counts start again at zero when it reloads: the minute across the
+    reload has 40 evictions and a hit rate of a quarter (it had -960 evictions a minute and a
+    hit rate of 7.5)."""
+    before = HistorySample(at=0.0, wall=0.0, queried=4000, hit=3000, evictions=1000,
+                           ttft_seconds=10.0, ttft_count=20)
+    after = HistorySample(at=60.0, wall=60.0, queried=400, hit=100, evictions=40,
+                          ttft_seconds=12.0, ttft_count=24)
+    assert after.between(before) == {"time": 60.0, "hit_rate": 0.25, "ttft": 0.5,
+                                     "evictions_per_minute": 40.0}
+    steady = HistorySample(at=120.0, wall=120.0, queried=800, hit=300, evictions=100,
+                           ttft_seconds=13.0, ttft_count=26)
+    assert steady.between(after) == {"time": 120.0, "hit_rate": 0.5, "ttft": 0.5,
+                                     "evictions_per_minute": 60.0}

@@ -282,29 +282,20 @@ async def test_the_model_with_the_most_requests_waiting_loads_first():
     assert order == ["a", "c", "b"]
 
 
-class FakeSpare:
-    """What Models calls of gateway/workers/spare.py's Spare: when it is asked for one."""
-
-    def __init__(self) -> None:
-        self.missing = True
-        self.started = False
-
-    def refill(self) -> None:
-        self.missing = False
-        self.started = True
-
-    def close(self) -> None:
-        pass
-
-
 @run
-async def test_the_spare_worker_starts_once_the_requests_a_load_was_for_have_ended():
-    """Not beside them: its interpreter's start beside the first prefill of a model just loaded
-    slowed that prefill (a cold request's TTFT) by a third on 2 cores."""
+async def test_a_client_alternating_between_two_models_is_not_taken_for_a_session():
+    """a, b, a, b, ... one after the other: a's requests come back 0.5 s after its last ended,
+    but only because b's ran meanwhile; that is no next turn the hold would have caught, and
+    each swap waits only HOLD_FLOOR (it waited 4 x 0.5 s once a's gaps were learned)."""
     a, b = FakeModel("a"), FakeModel("b")
-    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=0), a, b)
-    spare = models.spare = FakeSpare()  # type: ignore[assignment]
-    async with models.serving(b, timeout=30):  # type: ignore[arg-type]  # loads it
-        await ticks()
-        assert loaded(a, b) == ["b"] and not spare.started  # loaded, its request runs
-    assert spare.started  # nothing runs now
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
+    for turn in range(6):
+        model, other = (a, b) if turn % 2 else (b, a)
+        waiting = asyncio.create_task(use(models, model))
+        await advance(models, clock, HOLD_FLOOR)  # the other's hold
+        served, _ = await asyncio.wait({waiting}, timeout=10)  # the clock stands still
+        assert served and loaded(a, b) == [model.name], f"turn {turn}: held for {other.name}"
+        clock.now += 0.5 - HOLD_FLOOR  # its answer
+    assert (a.loads, b.loads) == (3, 3)

@@ -287,3 +287,37 @@ def test_a_stuck_worker_is_detected_killed_and_replaced(model_path, model_name):
         server.settled()
     finally:
         server.stop()
+
+
+def test_workers_come_from_the_fork_server_and_nothing_outlives_a_killed_gateway(model_path):
+    """Workers are forked from multiprocessing's fork server (their imports done once, not at
+    every load or restart); a gateway killed with SIGKILL takes the fork server and every
+    worker with it."""
+    server = GatewayProcess(model_path, "--workers", "2", "--threads", "1", "--parallel", "1",
+                            "--ctx-size", "512")
+    try:
+        workers = [w["pid"] for w in wait_for_health(server, "ok")["workers"]]
+        parents = {_parent(pid) for pid in workers}
+        assert len(parents) == 1 and parents != {server.proc.pid}
+        fork_server = parents.pop()
+        assert b"multiprocessing.forkserver" in Path(f"/proc/{fork_server}/cmdline").read_bytes()
+        assert _parent(fork_server) == server.proc.pid
+    finally:
+        server.proc.kill()
+        server.proc.wait(30)
+    deadline = time.monotonic() + 60
+    while left := [pid for pid in (fork_server, *workers) if _alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after the gateway died: {left}"
+        time.sleep(0.1)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is not: its parent is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -15,7 +15,8 @@ and Ollama do:
   session's next turn arrives moments after its answer, and without the hold it would find its
   model gone and swap it back. How long: the gaps it has seen between its requests ending and
   its next arriving tell (`HOLD_FACTOR` times their median, at least `HOLD_FLOOR`; gaps past
-  the bound are a client gone, not a next turn), within `--models-swap-grace`, so a client that
+  the bound are a client gone, not a next turn, and gaps in which another model's request ran
+  are a client alternating between models), within `--models-swap-grace`, so a client that
   moved on to another model waits a tenth of a second, an agent between tool calls seconds.
   Requests for a loaded model keep being admitted while another model's wait; but once a
   request has waited `--models-swap-wait` for its model, it takes the room even from a busy
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import statistics
 import threading
 import time
@@ -54,7 +54,6 @@ from gateway.core.engines import Engines
 from gateway.edge.errors import APIError
 from gateway.formats.prompts import PromptBuilder
 from gateway.workers.shared_pool import SharedPool
-from gateway.workers.spare import Spare
 from gateway.workers.supervisor import Overloaded, Workers
 
 log = logging.getLogger(__name__)
@@ -86,7 +85,6 @@ class ServedModel:
         self.prompts: PromptBuilder | None = None
         self._own_engines = engines is None
         self.engines: Engines = engines or Workers(config.workers)
-        self.spare: Spare | None = None  # a worker process started ahead, for its loads
         self._saving: threading.Thread | None = None  # its pool closing after an unload
         self.fingerprint = ""  # its GGUF's: what its token ids mean
         self.memory_bytes = 0  # estimated, loaded: weights, its workers' KV, its pool
@@ -119,7 +117,7 @@ class ServedModel:
             self.open()
         if self._own_engines:  # a stopped supervisor does not start again: a new one
             self._saved()  # its last unload's snapshot, read by this load
-            self.engines = Workers(self.config.workers, self.spare)
+            self.engines = Workers(self.config.workers)
         self.engines.start(loop)
         self.loads += 1
 
@@ -188,9 +186,9 @@ class Models:
         self._waits: dict[str, list[float]] = {}  # per model, when its waiting requests came
         self._gaps: dict[str, deque[float]] = {}  # per model, from a request's end to the next
         self._ended: dict[str, float] = {}  # per model, when its last request ended
+        self._admitted: dict[str, float] = {}  # per model, when its last request was admitted
         self._opened = threading.Event()
         self._stopping = False  # draining: nothing loads any more
-        self.spare = Spare(multiprocessing.get_context("spawn"))  # kept if models swap
 
     def find(self, name: str) -> ServedModel:
         """The model a request names (`named`); a 503 for one that failed to load."""
@@ -233,10 +231,6 @@ class Models:
                     self._start(model, loop)
                     if model.load_error:
                         failures.append(f"{model.name}: {model.load_error}")
-            if self._loads_later() and not self._stopping:
-                for model in self.all:
-                    model.spare = self.spare
-                self.spare.want()
         finally:  # requests are routed from now on (those before were told to retry)
             self._opened.set()
         return failures
@@ -257,24 +251,8 @@ class Models:
             log.info("loaded %r (%s) in %.1f s; %d model(s) loaded", model.name,
                      model.config.workers.model_path, time.monotonic() - started,
                      len(self._loaded()))
-            self._refill_spare_if_idle()  # else once the requests it was loaded for end
-
-    def _idle(self) -> bool:
-        """Nothing runs or waits on any model, nothing loads or unloads."""
-        return not any(m.in_use or m.waiting or m.state in ("loading", "unloading")
-                       for m in self.all)
-
-    def _refill_spare_if_idle(self) -> None:
-        """Starts the spare for the next load once nothing runs: its interpreter's start
-        (~0.4 s of a core) beside the first prefill of a model just loaded slowed that prefill
-        from 4.0 s to 5.4 s on 2 cores (llama.cpp's threads wait for each other at every
-        step, so one of them put aside stalls both). Blocks for the process's spawn (~10 ms),
-        when nothing runs."""
-        if not self._stopping and self.spare.missing and self._idle():
-            self.spare.refill()
 
     def close(self) -> None:
-        self.spare.close()
         for model in self.all:
             model.close()
 
@@ -296,8 +274,8 @@ class Models:
         """Holds `model` loaded for a request's lifetime, loading it first if it is not;
         `timeout`: how long the request may wait for that."""
         came = self.clock()
-        gap = came - self._ended.get(model.name, -1e18)
-        if not model.in_use and gap <= self.policy.swap_grace:  # a next turn: the holds learn
+        if self._next_turn(model, came):  # the holds learn its gaps
+            gap = came - self._ended[model.name]
             self._gaps.setdefault(model.name, deque(maxlen=GAPS_KEPT)).append(gap)
         if model.state != "loaded":
             if model.waiting >= self.policy.max_waiting:
@@ -315,14 +293,13 @@ class Models:
                 model.waiting -= 1
                 waits.remove(came)
         model.in_use += 1
-        model.last_used = self.clock()
+        model.last_used = self._admitted[model.name] = self.clock()
         try:
             yield model
         finally:
             model.in_use -= 1
             model.last_used = self._ended[model.name] = self.clock()
             self._notify()
-            self._refill_spare_if_idle()
 
     async def ensure_loaded(self, model: ServedModel) -> None:
         """Loads it if it is not (one that failed is tried again); a 503 if it cannot."""
@@ -426,13 +403,6 @@ class Models:
 
     # ----- what fits ------------------------------------------------------------------------------
 
-    def _loads_later(self) -> bool:
-        """Whether models may load after start (some do not fit, or idle ones unload)."""
-        own = [m for m in self.all if m._own_engines]
-        return bool(own) and self.policy.idle_seconds is not None or len(own) > 1 and (
-            any(m.state == "unloaded" for m in own) or self.policy.max_loaded is not None
-            or self.policy.memory_bytes is not None)
-
     def _loaded(self) -> list[ServedModel]:
         return [m for m in self.all if m.state in ("loading", "loaded", "unloading")]
 
@@ -463,6 +433,16 @@ class Models:
         pending = [m for m in self.all if m is model
                    or (m.state == "unloaded" and self._waits.get(m.name))]
         return min(pending, key=turn)
+
+    def _next_turn(self, model: ServedModel, came: float) -> bool:
+        """Whether a request arriving at `came` is a next turn the hold would catch: it comes
+        within --models-swap-grace of the model's last request's end, with none running, and
+        no other model's request ran meanwhile (a client alternating between two models comes
+        back after the other's answer: holding the first for that only delays the second)."""
+        ended = self._ended.get(model.name)
+        return ended is not None and not model.in_use and \
+            came - ended <= self.policy.swap_grace and \
+            not any(self._admitted.get(m.name, ended) > ended for m in self.all if m is not model)
 
     def _hold(self, model: ServedModel) -> float:
         """How long `model` is held after its last request (the module's docstring)."""

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.config import Limits, ModelConfig, WorkersConfig
 from gateway.core.engines import Engines
@@ -64,15 +64,19 @@ class HistorySample:
     ttft_count: int
 
     def between(self, previous: HistorySample) -> dict:
-        """What happened from `previous` to this sample, per minute where a rate."""
+        """What happened from `previous` to this sample, per minute where a rate. The pool's
+        counts start again from zero when the model reloads: one that went down counts from
+        zero (as Prometheus's rate() reads a counter's reset)."""
         minutes = (self.at - previous.at) / 60
-        queried = self.queried - previous.queried
+        reloaded = self.queried < previous.queried or self.evictions < previous.evictions
+        before = replace(previous, queried=0, hit=0, evictions=0) if reloaded else previous
+        queried = self.queried - before.queried
         first_tokens = self.ttft_count - previous.ttft_count
         return {"time": self.wall,
-                "hit_rate": (self.hit - previous.hit) / queried if queried else None,
+                "hit_rate": (self.hit - before.hit) / queried if queried else None,
                 "ttft": (self.ttft_seconds - previous.ttft_seconds) / first_tokens
                 if first_tokens else None,
-                "evictions_per_minute": (self.evictions - previous.evictions) / minutes}
+                "evictions_per_minute": (self.evictions - before.evictions) / minutes}
 
 
 class Gateway:
