@@ -331,11 +331,13 @@ def table(results: dict) -> str:
     rows: list[tuple[str, float | None, float | None, str]] = []
     names = [k for k in pg.get("probes", {}) if k != "failed"]
     for model in names:
+        theirs = ls.get("probes", {}).get(_match(model, ls.get("probes", {})), {})
         for kind in ("cold", "warm"):
             label = "not loaded (unload + load + prefill)" if kind == "cold" else "loaded"
             rows.append((f"TTFT, {model}, {label} (s)", pg["probes"][model][kind],
-                         ls.get("probes", {}).get(_match(model, ls.get("probes", {})),
-                                                  {}).get(kind), "lower"))
+                         theirs.get(kind), "lower"))
+        rows.append((f"TTFT, {model}, not loaded minus loaded: the swap (s)",
+                     _minus(pg["probes"][model]), _minus(theirs), "lower"))
     for key, label, better in (("tokens_per_s", "alternating c=4: output tok/s", "higher"),
                                ("requests_per_s", "alternating c=4: req/s", "higher"),
                                ("ttft_p50", "alternating c=4: TTFT p50 (s)", "lower"),
@@ -359,6 +361,11 @@ def table(results: dict) -> str:
                                                                ("llama-server", ls))}
     lines += ["", f"States when memory was read with one idle: {states}"]
     return "\n".join(lines)
+
+
+def _minus(probe: dict) -> float | None:
+    cold, warm = probe.get("cold"), probe.get("warm")
+    return None if cold is None or warm is None else cold - warm
 
 
 def _match(model: str, probes: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Coroutine
 from types import SimpleNamespace
 
 import pytest
@@ -199,20 +200,53 @@ async def test_a_model_just_used_is_held_as_long_as_its_next_turns_take_to_come(
 
 
 @run
-async def test_a_client_that_moved_on_to_another_model_waits_only_the_floor():
-    """No next turns seen (a client asking one model, then another): the hold is
-    HOLD_FLOOR, not --models-swap-grace."""
+async def test_a_client_that_moved_on_to_another_model_does_not_wait_for_a_hold():
+    """Its request for b came after its last for a had ended, and a has no next turns to
+    wait for: b loads at once (as llama-server's router loads it)."""
     a, b = FakeModel("a"), FakeModel("b")
     clock = Clock()
     models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
     models.clock = clock  # type: ignore[method-assign]
     await use(models, a)
+    clock.now += 0.01
+    await served(use(models, b))
+    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)
+
+
+@run
+async def test_requests_that_waited_through_a_models_last_request_let_it_hold_the_floor():
+    """b's request came while a's ran: a's clients may have next turns on their way, and
+    a is held HOLD_FLOOR (no gaps learned yet) before b takes the room."""
+    a, b = FakeModel("a"), FakeModel("b")
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
+    release = asyncio.Event()
+
+    async def long_a() -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            await release.wait()
+
+    holder = asyncio.create_task(long_a())
+    await ticks()
+    clock.now += 0.01
     waiting = asyncio.create_task(use(models, b))
+    await advance(models, clock, 0.5)
+    release.set()
+    await holder
     await ticks()
     assert loaded(a, b) == ["a"]
     await advance(models, clock, HOLD_FLOOR)
-    await asyncio.wait_for(waiting, 30)
-    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)
+    await served(waiting)
+    assert loaded(a, b) == ["b"]
+
+
+async def served(use_: Coroutine | asyncio.Task) -> None:
+    """Waits for a request that needs no more of the clock (which stands still meanwhile)."""
+    task = asyncio.ensure_future(use_)
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert done, "still waiting"
+    task.result()
 
 
 @run
@@ -284,18 +318,53 @@ async def test_the_model_with_the_most_requests_waiting_loads_first():
 
 @run
 async def test_a_client_alternating_between_two_models_is_not_taken_for_a_session():
-    """a, b, a, b, ... one after the other: a's requests come back 0.5 s after its last ended,
-    but only because b's ran meanwhile; that is no next turn the hold would have caught, and
-    each swap waits only HOLD_FLOOR (it waited 4 x 0.5 s once a's gaps were learned)."""
+    """a, b, a, b, ... one after the other, each 0.5 s after the last answer: a's requests
+    come back 1 s after its last ended, but only because b's ran meanwhile. That is no next
+    turn a hold would catch, and no swap waits (each waited 4 x 1 s once a's gaps were
+    learned from it)."""
     a, b = FakeModel("a"), FakeModel("b")
     clock = Clock()
     models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
     models.clock = clock  # type: ignore[method-assign]
     for turn in range(6):
-        model, other = (a, b) if turn % 2 else (b, a)
-        waiting = asyncio.create_task(use(models, model))
-        await advance(models, clock, HOLD_FLOOR)  # the other's hold
-        served, _ = await asyncio.wait({waiting}, timeout=10)  # the clock stands still
-        assert served and loaded(a, b) == [model.name], f"turn {turn}: held for {other.name}"
-        clock.now += 0.5 - HOLD_FLOOR  # its answer
+        model = (b, a)[turn % 2]
+        clock.now += 0.5
+        await served(use(models, model))
+        assert loaded(a, b) == [model.name]
     assert (a.loads, b.loads) == (3, 3)
+
+
+@run
+async def test_a_sessions_next_turn_after_a_swap_still_teaches_its_hold():
+    """b's request waited through a's: a was held HOLD_FLOOR, then unloaded for it; a's
+    session came back 0.3 s after its answer. That was a next turn (b's request came before
+    it, from someone else), so a is held 4 x 0.3 s from then on."""
+    a, b = FakeModel("a"), FakeModel("b")
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
+    release = asyncio.Event()
+
+    async def long_a() -> None:
+        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
+            await release.wait()
+
+    holder = asyncio.create_task(long_a())
+    await ticks()
+    clock.now += 0.01
+    waiting = asyncio.create_task(use(models, b))
+    await advance(models, clock, 0.5)
+    release.set()
+    await holder
+    await advance(models, clock, HOLD_FLOOR)
+    await served(waiting)
+    clock.now += 0.3 - HOLD_FLOOR  # a's session's next turn, 0.3 s after its answer
+    await served(use(models, a))
+    assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (2, 1)
+    clock.now += 0.01
+    waiting = asyncio.create_task(use(models, b))
+    await advance(models, clock, 1.1)
+    assert loaded(a, b) == ["a"]
+    await advance(models, clock, 0.2)
+    await served(waiting)
+    assert loaded(a, b) == ["b"]

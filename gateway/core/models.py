@@ -14,10 +14,12 @@ and Ollama do:
   A model whose last request just ended is held a moment before it is unloaded for another: a
   session's next turn arrives moments after its answer, and without the hold it would find its
   model gone and swap it back. How long: the gaps it has seen between its requests ending and
-  its next arriving tell (`HOLD_FACTOR` times their median, at least `HOLD_FLOOR`; gaps past
-  the bound are a client gone, not a next turn, and gaps in which another model's request ran
-  are a client alternating between models), within `--models-swap-grace`, so a client that
-  moved on to another model waits a tenth of a second, an agent between tool calls seconds.
+  its next arriving tell (`HOLD_FACTOR` times their median; gaps past the bound are a client
+  gone, not a next turn, and gaps in which a later request for another model ran are a client
+  alternating between models), within `--models-swap-grace`; and at least `HOLD_FLOOR` against
+  requests that waited through the model's last request (its clients' next turns may be on
+  their way). So an agent between tool calls keeps its model for seconds, and a client that
+  moved on to another model (its request came after its last one ended) does not wait.
   Requests for a loaded model keep being admitted while another model's wait; but once a
   request has waited `--models-swap-wait` for its model, it takes the room even from a busy
   one (which drains, its new requests waiting in turn), so no model starves behind a busy one.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import threading
 import time
@@ -186,7 +189,7 @@ class Models:
         self._waits: dict[str, list[float]] = {}  # per model, when its waiting requests came
         self._gaps: dict[str, deque[float]] = {}  # per model, from a request's end to the next
         self._ended: dict[str, float] = {}  # per model, when its last request ended
-        self._admitted: dict[str, float] = {}  # per model, when its last request was admitted
+        self._admitted: dict[str, float] = {}  # per model, when its last admitted one came
         self._opened = threading.Event()
         self._stopping = False  # draining: nothing loads any more
 
@@ -293,7 +296,8 @@ class Models:
                 model.waiting -= 1
                 waits.remove(came)
         model.in_use += 1
-        model.last_used = self._admitted[model.name] = self.clock()
+        model.last_used = self.clock()
+        self._admitted[model.name] = came
         try:
             yield model
         finally:
@@ -415,7 +419,7 @@ class Models:
 
     def _waited(self, model: ServedModel, now: float) -> float:
         """How long its longest waiting request has waited."""
-        return now - min(self._waits.get(model.name) or [now])
+        return now - self._first_waiter(model, now)
 
     def _next_to_load(self, model: ServedModel) -> ServedModel:
         """Of the models waited for that are not loaded (and `model`), the one whose turn it
@@ -437,18 +441,28 @@ class Models:
     def _next_turn(self, model: ServedModel, came: float) -> bool:
         """Whether a request arriving at `came` is a next turn the hold would catch: it comes
         within --models-swap-grace of the model's last request's end, with none running, and
-        no other model's request ran meanwhile (a client alternating between two models comes
-        back after the other's answer: holding the first for that only delays the second)."""
+        no request for another model that came after that end ran meanwhile (a client
+        alternating between two models comes back after the other's answer: holding the first
+        for that would only delay the second)."""
         ended = self._ended.get(model.name)
         return ended is not None and not model.in_use and \
             came - ended <= self.policy.swap_grace and \
             not any(self._admitted.get(m.name, ended) > ended for m in self.all if m is not model)
 
-    def _hold(self, model: ServedModel) -> float:
-        """How long `model` is held after its last request (the module's docstring)."""
+    def _hold(self, model: ServedModel, waiter: float) -> float:
+        """How long `model` is held after its last request from a request for another model
+        that came at `waiter` (the module's docstring): HOLD_FACTOR times its usual gap, and
+        HOLD_FLOOR at least if that request waited through its last one (contention: the
+        model's clients may have next turns); a request that came later is a client that moved
+        on, or one of its own, and waits only for the gaps learned."""
         gaps = self._gaps.get(model.name)
         usual = HOLD_FACTOR * statistics.median(gaps) if gaps else 0.0
-        return min(self.policy.swap_grace, max(HOLD_FLOOR, usual))
+        floor = HOLD_FLOOR if waiter <= self._ended.get(model.name, -math.inf) else 0.0
+        return min(self.policy.swap_grace, max(floor, usual))
+
+    def _first_waiter(self, model: ServedModel, now: float) -> float:
+        """When its longest waiting request came (`now` if none waits)."""
+        return min(self._waits.get(model.name) or [now])
 
     def _victim(self, model: ServedModel) -> ServedModel | None:
         """The model to unload to make room for `model`: the least recently used one no
@@ -460,7 +474,8 @@ class Models:
         now = self.clock()
         loaded = [m for m in self.all if m.state == "loaded" and m is not model
                   and m._own_engines and not m.waiting]
-        idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m)]
+        waiter = self._first_waiter(model, now)
+        idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m, waiter)]
         if not idle and self._waited(model, now) >= self.policy.swap_wait:
             idle = loaded
         return min(idle, key=lambda m: (m.in_use > 0, m.last_used), default=None)
@@ -469,7 +484,8 @@ class Models:
         """When a bound `_victim` applies next passes: a hold ends, or `model`'s wait
         reaches --models-swap-wait (None: only a change can make room)."""
         now = self.clock()
-        ends = [m.last_used + self._hold(m) - now for m in self.all
+        waiter = self._first_waiter(model, now)
+        ends = [m.last_used + self._hold(m, waiter) - now for m in self.all
                 if m.state == "loaded" and not m.in_use and not m.waiting]
         if self._waits.get(model.name):
             ends.append(self.policy.swap_wait - self._waited(model, now))
