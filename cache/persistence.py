@@ -113,6 +113,18 @@ def save(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
     return len(blocks)
 
 
+def header(directory: Path) -> dict | None:
+    """The snapshot's header line (its fingerprint, block_size, slot_bytes: the arena it was
+    saved from), read alone; None when there is none this version wrote. Not checked: `load`
+    checks the whole file."""
+    try:
+        with open(directory / FILE_NAME, "rb") as f:
+            found = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("version") == VERSION else None
+
+
 def load(directory: Path, index: CacheIndex, arena: BlockArena) -> int:
     """Adopts the snapshot's blocks into an empty index; returns how many. Refuses (with a log
     line, loading nothing) a snapshot that does not verify."""

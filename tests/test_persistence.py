@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cache import persistence
-from cache.arena import ArenaHeader, BlockArena, default_arena_path
+from cache.arena import SHM_DIR, ArenaHeader, BlockArena, default_arena_path
 from cache.index import CacheIndex
 from loadtest.gateway_process import GatewayProcess
 from tests.conftest import openai_client
@@ -69,14 +69,36 @@ def test_a_snapshot_of_another_model_layout_is_refused(model_path, model_name, t
         ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
     finally:
         first.stop()
+    arenas = set(SHM_DIR.glob("prefixgate-*"))
     other = GatewayProcess(model_path, "--parallel", "2", "--ctx-size", "2048", "--kv-type",
                            "q8_0", "--cache-dir", str(tmp_path))
     try:
         _, usage = ask(openai_client(other), model_name, system_chat(QUESTION, SYSTEM))
         assert usage.prompt_tokens_details.cached_tokens < 8
         assert "written for another fingerprint" in other.log_path.read_text()
+        # The pool read from the snapshot while the worker loaded was given up for a new one.
+        assert len(set(SHM_DIR.glob("prefixgate-*")) - arenas) == 1
     finally:
         other.stop()
+    assert not set(SHM_DIR.glob("prefixgate-*")) - arenas
+
+
+def test_a_snapshot_read_for_workers_that_never_start_leaves_no_arena(model_path, model_name,
+                                                                      tmp_path):
+    """The snapshot's pool is made while the workers load the model: if none becomes ready,
+    it goes with them, and the snapshot stays as it was."""
+    args = ("--parallel", "2", "--ctx-size", "2048", "--cache-dir", str(tmp_path))
+    first = GatewayProcess(model_path, *args)
+    try:
+        ask(openai_client(first), model_name, system_chat(QUESTION, SYSTEM))
+    finally:
+        first.stop()
+    snapshot = (tmp_path / "prefix-cache.bin").read_bytes()
+    arenas = set(SHM_DIR.glob("prefixgate-*"))
+    with pytest.raises(RuntimeError, match="exited"):  # no such device: the worker exits
+        GatewayProcess(model_path, *args, "--device", "Vulkan7")
+    assert not set(SHM_DIR.glob("prefixgate-*")) - arenas
+    assert (tmp_path / "prefix-cache.bin").read_bytes() == snapshot
 
 
 def test_a_snapshot_of_other_weights_with_the_same_header_is_refused(model_path, model_name,

@@ -1,6 +1,7 @@
 """The gateway's side of the shared block pool: the arena, the cache index over it, the Redis
-tier and the snapshot on disk. Created when the first worker reports its KV layout; the workers
-move the bytes, this side alone decides which slots hold what."""
+tier and the snapshot on disk. Created when the first worker reports its KV layout, or from the
+--cache-dir snapshot while the workers load (then kept if their layout is the snapshot's); the
+workers move the bytes, this side alone decides which slots hold what."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from engine.messages import (
     IndexReply,
     MatchCall,
     PlanStoreCall,
-    Ready,
     ReleaseLease,
 )
 from gateway.config import WorkersConfig
@@ -61,11 +61,15 @@ class SharedPool:
     # flag or variable of a server reaches it.
     clock: Callable[[], float] = staticmethod(time.time)
 
-    def __init__(self, config: WorkersConfig, ready: Ready) -> None:
+    def __init__(self, config: WorkersConfig, fingerprint: str, slot_bytes: int,
+                 layout: KVLayout | None) -> None:
+        """Use `for_layout` or `from_snapshot`."""
         self.config = config
-        self.fingerprint = kv_fingerprint(config.model_path, ready.layout)
-        self.layout = ready.layout  # what a block holds: window rows, a recurrent state
-        self.arena = _create_arena(config, ready, self.fingerprint)
+        self.fingerprint = fingerprint
+        # What a block holds (window rows, a recurrent state): the workers' KV layout, known
+        # once one is ready (`fits`).
+        self.layout = layout
+        self.arena = _create_arena(config, slot_bytes, fingerprint)
         header = self.arena.header
         self.tier = (RedisTier(config.redis, self.fingerprint, header.slot_bytes)
                      if config.redis is not None else None)
@@ -81,6 +85,32 @@ class SharedPool:
             on_evicted=self._evicted_to_tier if back else None)
         if config.cache_dir is not None:  # before any request can use the pool
             persistence.load(config.cache_dir, self.index, self.arena)
+
+    @classmethod
+    def for_layout(cls, config: WorkersConfig, layout: KVLayout) -> SharedPool:
+        """The pool for the workers' KV layout (and the --cache-dir snapshot, if it fits)."""
+        return cls(config, kv_fingerprint(config.model_path, layout),
+                   layout.block_bytes(config.engine.cache.block_size), layout)
+
+    @classmethod
+    def from_snapshot(cls, config: WorkersConfig) -> SharedPool | None:
+        """The pool the --cache-dir snapshot was saved from, its blocks read in, made while the
+        workers load the model rather than after (a reloaded model served 0.1-0.3 s later
+        for the read); None without a snapshot. The first ready worker's layout decides whether
+        it is used (`fits`)."""
+        found = persistence.header(config.cache_dir) if config.cache_dir else None
+        if found is None or found.get("block_size") != config.engine.cache.block_size:
+            return None
+        return cls(config, str(found["fingerprint"]), int(found["slot_bytes"]), None)
+
+    def fits(self, layout: KVLayout) -> bool:
+        """Whether the workers' KV layout is the one this pool's blocks were made for; if
+        so, it is this pool's layout from now on."""
+        if self.fingerprint != kv_fingerprint(self.config.model_path, layout) or \
+                self.arena.header.slot_bytes != layout.block_bytes(self.arena.header.block_size):
+            return False
+        self.layout = layout
+        return True
 
     # ----- a worker's index calls, answered on its reader thread -------------------------------
 
@@ -193,11 +223,11 @@ class SharedPool:
 
     # ----- the end -----------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, save: bool = True) -> None:
         """After the workers stopped (nothing writes the arena any more): the snapshot, if
-        asked for, then the tier and the arena."""
+        asked for (and `save`), then the tier and the arena."""
         cache_dir: Path | None = self.config.cache_dir
-        if cache_dir is not None:
+        if cache_dir is not None and save:
             try:
                 n = persistence.save(cache_dir, self.index, self.arena)
                 log.info("saved %d cached blocks to %s", n, cache_dir)
@@ -208,9 +238,8 @@ class SharedPool:
         self.arena.close()
 
 
-def _create_arena(config: WorkersConfig, ready: Ready, fingerprint: str) -> BlockArena:
+def _create_arena(config: WorkersConfig, slot_bytes: int, fingerprint: str) -> BlockArena:
     cache = config.engine.cache
-    slot_bytes = ready.layout.block_bytes(cache.block_size)
     n_slots = ((cache.budget_mb << 20) - HEADER_BYTES) // slot_bytes
     if n_slots < 1:
         raise ValueError(f"a cache budget of {cache.budget_mb} MiB holds no "

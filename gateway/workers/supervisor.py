@@ -27,6 +27,7 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -122,6 +123,7 @@ class Workers:
         self._draining = False
         self._stopping = False
         self._mp = worker_context()
+        self._prepared: Future[SharedPool | None] | None = None  # the snapshot's, being read
 
     # ----- lifecycle ----------------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Workers:
         self._loop = loop
         for path in remove_stale_arenas():
             log.info("removed %s, the arena of a gateway that no longer runs", path)
+        self._prepared = self._prepare_pool()
         self._workers = [self._spawn(i) for i in range(self.config.n_workers)]
         deadline = time.monotonic() + timeout
         while not self._any_ready.wait(0.2):
@@ -146,6 +149,24 @@ class Workers:
                  "deterministic" if engine.deterministic else "unified", self.seq_len)
         if self.config.step_timeout:
             threading.Thread(target=self._watch, name="worker-watchdog", daemon=True).start()
+
+    def _prepare_pool(self) -> Future[SharedPool | None] | None:
+        """The --cache-dir snapshot's pool, read on a thread of its own while the workers load
+        the model (`_pool_for` takes it)."""
+        config = self.config
+        if not (config.engine.cache.enabled and config.cache_dir):
+            return None
+        prepared: Future[SharedPool | None] = Future()
+
+        def read() -> None:
+            try:
+                prepared.set_result(SharedPool.from_snapshot(config))
+            except Exception:  # read again, and its failure told, once a worker is ready
+                log.exception("making the pool from the --cache-dir snapshot failed")
+                prepared.set_result(None)
+
+        threading.Thread(target=read, name="pool-from-snapshot", daemon=True).start()
+        return prepared
 
     def _watch(self) -> None:
         """Kills a worker that has requests in flight and has said nothing for step_timeout:
@@ -199,6 +220,9 @@ class Workers:
                 worker.exited.wait(5)
         with self._lock:
             pool, self.pool = self.pool, None
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None and (unused := prepared.result()) is not None:
+            unused.close(save=False)  # no worker became ready: the snapshot stays as it was
         if pool is not None and close_pool:  # the workers are gone: nothing writes the arena
             pool.close()
             return None
@@ -340,9 +364,20 @@ class Workers:
                  ready.cells_total)
 
     def _pool_for(self, ready: Ready) -> SharedPool | None:
+        """The pool, made for the first worker with a KV layout: the --cache-dir snapshot's,
+        read meanwhile, if its blocks were made for that layout, else a new one."""
+        prepared = self._prepared
+        # Outside the lock (a /metrics scrape takes it): the snapshot may still be read.
+        ahead = prepared.result() if prepared is not None and ready.layout else None
         with self._lock:
             if ready.layout is not None and self.pool is None:
-                self.pool = SharedPool(self.config, ready)
+                if ahead is not None and ahead.fits(ready.layout):
+                    self.pool = ahead
+                else:
+                    if ahead is not None:
+                        ahead.close(save=False)
+                    self.pool = SharedPool.for_layout(self.config, ready.layout)
+                self._prepared = None
             return self.pool
 
     def _on_exit(self, worker: WorkerProcess) -> None:
