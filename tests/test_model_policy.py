@@ -200,45 +200,21 @@ async def test_a_model_just_used_is_held_as_long_as_its_next_turns_take_to_come(
 
 
 @run
-async def test_a_client_that_moved_on_to_another_model_does_not_wait_for_a_hold():
-    """Its request for b came after its last for a had ended, and a has no next turns to
-    wait for: b loads at once (as llama-server's router loads it)."""
+async def test_a_client_that_moved_on_to_another_model_waits_only_the_floor():
+    """No next turns seen (a client asking one model, then another): the hold is
+    HOLD_FLOOR, not --models-swap-grace."""
     a, b = FakeModel("a"), FakeModel("b")
     clock = Clock()
     models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
     models.clock = clock  # type: ignore[method-assign]
     await use(models, a)
     clock.now += 0.01
-    await served(use(models, b))
-    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)
-
-
-@run
-async def test_requests_that_waited_through_a_models_last_request_let_it_hold_the_floor():
-    """b's request came while a's ran: a's clients may have next turns on their way, and
-    a is held HOLD_FLOOR (no gaps learned yet) before b takes the room."""
-    a, b = FakeModel("a"), FakeModel("b")
-    clock = Clock()
-    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
-    models.clock = clock  # type: ignore[method-assign]
-    release = asyncio.Event()
-
-    async def long_a() -> None:
-        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
-            await release.wait()
-
-    holder = asyncio.create_task(long_a())
-    await ticks()
-    clock.now += 0.01
     waiting = asyncio.create_task(use(models, b))
-    await advance(models, clock, 0.5)
-    release.set()
-    await holder
     await ticks()
     assert loaded(a, b) == ["a"]
-    await advance(models, clock, HOLD_FLOOR)
+    await advance(models, clock, HOLD_FLOOR + 0.001)
     await served(waiting)
-    assert loaded(a, b) == ["b"]
+    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)
 
 
 async def served(use_: Coroutine | asyncio.Task) -> None:
@@ -356,7 +332,7 @@ async def test_a_sessions_next_turn_after_a_swap_still_teaches_its_hold():
     await advance(models, clock, 0.5)
     release.set()
     await holder
-    await advance(models, clock, HOLD_FLOOR)
+    await advance(models, clock, HOLD_FLOOR + 0.001)
     await served(waiting)
     clock.now += 0.3 - HOLD_FLOOR  # a's session's next turn, 0.3 s after its answer
     await served(use(models, a))

@@ -14,12 +14,12 @@ and Ollama do:
   A model whose last request just ended is held a moment before it is unloaded for another: a
   session's next turn arrives moments after its answer, and without the hold it would find its
   model gone and swap it back. How long: the gaps it has seen between its requests ending and
-  its next arriving tell (`HOLD_FACTOR` times their median; gaps past the bound are a client
-  gone, not a next turn, and gaps in which a later request for another model ran are a client
-  alternating between models), within `--models-swap-grace`; and at least `HOLD_FLOOR` against
-  requests that waited through the model's last request (its clients' next turns may be on
-  their way). So an agent between tool calls keeps its model for seconds, and a client that
-  moved on to another model (its request came after its last one ended) does not wait.
+  its next arriving tell (`HOLD_FACTOR` times their median, at least `HOLD_FLOOR`; gaps past
+  the bound are a client gone, not a next turn, and gaps in which a later request for another
+  model ran are a client alternating between models), within `--models-swap-grace`. So an
+  agent between tool calls keeps its model for seconds, and a client that moved on to another
+  model waits `HOLD_FLOOR`: requests that arrive together for two models (sessions starting at
+  once) are not split by whichever came a millisecond first.
   Requests for a loaded model keep being admitted while another model's wait; but once a
   request has waited `--models-swap-wait` for its model, it takes the room even from a busy
   one (which drains, its new requests waiting in turn), so no model starves behind a busy one.
@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import statistics
 import threading
 import time
@@ -63,7 +62,7 @@ log = logging.getLogger(__name__)
 
 IDLE_CHECK_SECONDS = 1.0
 HOLD_FACTOR = 4.0  # a just-used model is held this many times its requests' usual gap
-HOLD_FLOOR = 0.1  # seconds: at least this (the next turn of a client on a busy machine)
+HOLD_FLOOR = 0.05  # seconds: at least this (requests arriving together, a client's next turn)
 GAPS_KEPT = 8
 
 
@@ -419,7 +418,7 @@ class Models:
 
     def _waited(self, model: ServedModel, now: float) -> float:
         """How long its longest waiting request has waited."""
-        return now - self._first_waiter(model, now)
+        return now - min(self._waits.get(model.name) or [now])
 
     def _next_to_load(self, model: ServedModel) -> ServedModel:
         """Of the models waited for that are not loaded (and `model`), the one whose turn it
@@ -449,20 +448,11 @@ class Models:
             came - ended <= self.policy.swap_grace and \
             not any(self._admitted.get(m.name, ended) > ended for m in self.all if m is not model)
 
-    def _hold(self, model: ServedModel, waiter: float) -> float:
-        """How long `model` is held after its last request from a request for another model
-        that came at `waiter` (the module's docstring): HOLD_FACTOR times its usual gap, and
-        HOLD_FLOOR at least if that request waited through its last one (contention: the
-        model's clients may have next turns); a request that came later is a client that moved
-        on, or one of its own, and waits only for the gaps learned."""
+    def _hold(self, model: ServedModel) -> float:
+        """How long `model` is held after its last request (the module's docstring)."""
         gaps = self._gaps.get(model.name)
         usual = HOLD_FACTOR * statistics.median(gaps) if gaps else 0.0
-        floor = HOLD_FLOOR if waiter <= self._ended.get(model.name, -math.inf) else 0.0
-        return min(self.policy.swap_grace, max(floor, usual))
-
-    def _first_waiter(self, model: ServedModel, now: float) -> float:
-        """When its longest waiting request came (`now` if none waits)."""
-        return min(self._waits.get(model.name) or [now])
+        return min(self.policy.swap_grace, max(HOLD_FLOOR, usual))
 
     def _victim(self, model: ServedModel) -> ServedModel | None:
         """The model to unload to make room for `model`: the least recently used one no
@@ -474,8 +464,7 @@ class Models:
         now = self.clock()
         loaded = [m for m in self.all if m.state == "loaded" and m is not model
                   and m._own_engines and not m.waiting]
-        waiter = self._first_waiter(model, now)
-        idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m, waiter)]
+        idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m)]
         if not idle and self._waited(model, now) >= self.policy.swap_wait:
             idle = loaded
         return min(idle, key=lambda m: (m.in_use > 0, m.last_used), default=None)
@@ -484,8 +473,7 @@ class Models:
         """When a bound `_victim` applies next passes: a hold ends, or `model`'s wait
         reaches --models-swap-wait (None: only a change can make room)."""
         now = self.clock()
-        waiter = self._first_waiter(model, now)
-        ends = [m.last_used + self._hold(m, waiter) - now for m in self.all
+        ends = [m.last_used + self._hold(m) - now for m in self.all
                 if m.state == "loaded" and not m.in_use and not m.waiting]
         if self._waits.get(model.name):
             ends.append(self.policy.swap_wait - self._waited(model, now))
