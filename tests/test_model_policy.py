@@ -305,7 +305,10 @@ async def test_a_client_alternating_between_two_models_is_not_taken_for_a_sessio
     for turn in range(6):
         model = (b, a)[turn % 2]
         clock.now += 0.5
-        await served(use(models, model))
+        waiting = asyncio.create_task(use(models, model))
+        await ticks()
+        await advance(models, clock, HOLD_FLOOR + 0.001)  # a swap waits that long
+        await served(waiting)
         assert loaded(a, b) == [model.name]
     assert (a.loads, b.loads) == (3, 3)
 
@@ -335,7 +338,10 @@ async def test_a_sessions_next_turn_after_a_swap_still_teaches_its_hold():
     await advance(models, clock, HOLD_FLOOR + 0.001)
     await served(waiting)
     clock.now += 0.3 - HOLD_FLOOR  # a's session's next turn, 0.3 s after its answer
-    await served(use(models, a))
+    waiting = asyncio.create_task(use(models, a))
+    await ticks()
+    await advance(models, clock, HOLD_FLOOR + 0.001)
+    await served(waiting)
     assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (2, 1)
     clock.now += 0.01
     waiting = asyncio.create_task(use(models, b))
@@ -344,3 +350,25 @@ async def test_a_sessions_next_turn_after_a_swap_still_teaches_its_hold():
     await advance(models, clock, 0.2)
     await served(waiting)
     assert loaded(a, b) == ["b"]
+
+
+@run
+async def test_requests_arriving_together_for_two_models_are_not_split_by_the_first():
+    """a loaded and idle long past its hold; a request for b, then one for a a moment later
+    (sessions of both starting at once): a's is served on a, and b loads after it, one load.
+    (Before, b's took the room the instant it came, and a's then waited for a second load.)"""
+    a, b = FakeModel("a"), FakeModel("b")
+    clock = Clock()
+    models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
+    models.clock = clock  # type: ignore[method-assign]
+    await use(models, a)
+    clock.now += 11  # past --models-swap-grace: no next turn
+    for_b = asyncio.create_task(use(models, b))
+    await ticks()
+    assert loaded(a, b) == ["a"]
+    clock.now += 0.01
+    await served(use(models, a))
+    assert loaded(a, b) == ["a"] and (a.loads, b.loads) == (1, 0)
+    await advance(models, clock, HOLD_FLOOR + 0.001)
+    await served(for_b)
+    assert loaded(a, b) == ["b"] and (a.loads, b.loads) == (1, 1)

@@ -18,8 +18,9 @@ and Ollama do:
   the bound are a client gone, not a next turn, and gaps in which a later request for another
   model ran are a client alternating between models), within `--models-swap-grace`. So an
   agent between tool calls keeps its model for seconds, and a client that moved on to another
-  model waits `HOLD_FLOOR`: requests that arrive together for two models (sessions starting at
-  once) are not split by whichever came a millisecond first.
+  model waits `HOLD_FLOOR`. And a swap waits until its request has waited `HOLD_FLOOR`, so
+  that requests arriving together for two models (sessions starting at once) are not split
+  by whichever came a millisecond first: the loaded model's are served on it.
   Requests for a loaded model keep being admitted while another model's wait; but once a
   request has waited `--models-swap-wait` for its model, it takes the room even from a busy
   one (which drains, its new requests waiting in turn), so no model starves behind a busy one.
@@ -465,6 +466,8 @@ class Models:
         loaded = [m for m in self.all if m.state == "loaded" and m is not model
                   and m._own_engines and not m.waiting]
         idle = [m for m in loaded if not m.in_use and now - m.last_used >= self._hold(m)]
+        if self._waits.get(model.name) and self._waited(model, now) < HOLD_FLOOR:
+            idle = []  # requests arriving with it may be for a loaded model: let them come
         if not idle and self._waited(model, now) >= self.policy.swap_wait:
             idle = loaded
         return min(idle, key=lambda m: (m.in_use > 0, m.last_used), default=None)
@@ -476,7 +479,8 @@ class Models:
         ends = [m.last_used + self._hold(m) - now for m in self.all
                 if m.state == "loaded" and not m.in_use and not m.waiting]
         if self._waits.get(model.name):
-            ends.append(self.policy.swap_wait - self._waited(model, now))
+            waited = self._waited(model, now)
+            ends += [HOLD_FLOOR - waited, self.policy.swap_wait - waited]
         ends = [end for end in ends if end > 0]
         return min(ends) + 0.001 if ends else None
 
