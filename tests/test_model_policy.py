@@ -73,6 +73,12 @@ async def use(models: Models, model: FakeModel) -> None:
         await asyncio.sleep(0)
 
 
+async def use_until(models: Models, model: FakeModel, release: asyncio.Event) -> None:
+    """A request for `model` that runs until `release` is set."""
+    async with models.serving(model, timeout=30):  # type: ignore[arg-type]
+        await release.wait()
+
+
 def loaded(*models: FakeModel) -> list[str]:
     return [m.name for m in models if m.state == "loaded"]
 
@@ -276,12 +282,7 @@ async def test_the_model_with_the_most_requests_waiting_loads_first():
     for m in (a, b, c):
         m.start = lambda loop, m=m: order.append(m.name)  # type: ignore[method-assign]
     release = asyncio.Event()
-
-    async def hold_a() -> None:
-        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
-            await release.wait()
-
-    holder = asyncio.create_task(hold_a())
+    holder = asyncio.create_task(use_until(models, a, release))
     await ticks()
     first = asyncio.create_task(use(models, b))  # b waited first, c has more waiting
     await ticks()
@@ -323,12 +324,7 @@ async def test_a_sessions_next_turn_after_a_swap_still_teaches_its_hold():
     models = catalogue(LoadPolicy(max_loaded=1, swap_grace=10, swap_wait=3600), a, b)
     models.clock = clock  # type: ignore[method-assign]
     release = asyncio.Event()
-
-    async def long_a() -> None:
-        async with models.serving(a, timeout=30):  # type: ignore[arg-type]
-            await release.wait()
-
-    holder = asyncio.create_task(long_a())
+    holder = asyncio.create_task(use_until(models, a, release))
     await ticks()
     clock.now += 0.01
     waiting = asyncio.create_task(use(models, b))
